@@ -1,0 +1,1 @@
+"""Generated gRPC code of the sluice.v1 protos (make protos). Do not edit."""
