@@ -1,0 +1,2 @@
+"""The ground floor every service stands on: config, paths, telemetry, gRPC bootstrap, the
+Python client. Imports none of the service packages."""

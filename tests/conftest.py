@@ -1,0 +1,14 @@
+"""Shared fixtures: the public data folder, and GPU skipping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sluice.common.paths import data_dir
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    return data_dir()
