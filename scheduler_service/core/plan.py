@@ -13,12 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
-from types import MappingProxyType
 from typing import Any
 
 from scheduler_service.core.sampling import SamplingParams
-
-_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +73,7 @@ class StepPlan:
     release_ids: tuple[str, ...] = ()
     kv_moves: tuple[KVMove, ...] = ()
     token_budget: int = 0  # the policy's budget this step (compute utilization = tokens / budget)
-    metadata: Mapping[str, Any] = field(default=_EMPTY)  # policy extras; workers ignore them
+    metadata: Mapping[str, Any] = field(default_factory=dict)  # policy extras; workers ignore them
 
     @property
     def total_num_scheduled_tokens(self) -> int:

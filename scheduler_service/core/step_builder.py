@@ -1,0 +1,173 @@
+"""The policy's hands: everything a policy may do to build one step.
+
+`schedule(req, n)` admits or advances a request by n tokens after allocating its KV
+(by the policy's allocation mode) and charging the token budget; it answers False when
+the blocks or the budget are not there, which is the policy's cue to preempt or stop.
+`preempt`, `swap_in`, `resume` and `return_to_pool` move requests between the
+scheduler's sets and record the KV moves the worker must execute.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from kvstore.accounting import AllocationMode, required_tokens
+from scheduler_service.core.budget import TokenBudget
+from scheduler_service.core.plan import KVMove, KVMoveKind
+from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
+from scheduler_service.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from scheduler_service.core.scheduler import Scheduler
+
+
+class StepBuilder:
+    def __init__(self, scheduler: Scheduler, budget: TokenBudget, now: float) -> None:
+        self._sched = scheduler
+        self.kv = scheduler.kv
+        self.budget = budget
+        self.now = now
+        self.scheduled: dict[str, int] = {}  # request id -> tokens this step, batch order
+        self.kv_moves: list[KVMove] = []
+        self.metadata: dict[str, object] = {}
+        self.num_preempted = 0
+
+    # Views of the scheduler's sets (ordered: waiting FCFS with preempted at the head,
+    # running in admission order).
+    @property
+    def waiting(self) -> OrderedDict[str, Request]:
+        return self._sched.waiting
+
+    @property
+    def running(self) -> dict[str, Request]:
+        return self._sched.running
+
+    @property
+    def swapped(self) -> dict[str, Request]:
+        return self._sched.swapped
+
+    @property
+    def kept(self) -> dict[str, Request]:
+        return self._sched.kept
+
+    def is_scheduled(self, request: Request) -> bool:
+        return request.request_id in self.scheduled
+
+    def tokens_to_cover(self, request: Request, num_tokens: int, mode: AllocationMode | None = None) -> int:
+        """Tokens the request's blocks must hold if it advances by num_tokens now."""
+        policy = self._sched.policy
+        return required_tokens(
+            mode or policy.allocation_mode,
+            num_tokens_after_step=request.num_computed_tokens + num_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            max_tokens=request.max_tokens,
+            predicted_output_tokens=request.predicted_output_tokens,
+            padding=policy.config.padding,
+        )
+
+    def can_allocate(
+        self, request: Request, num_tokens: int, *, cover: int | None = None, reserve: str | None = None
+    ) -> bool:
+        target = cover if cover is not None else self.tokens_to_cover(request, num_tokens)
+        return self.kv.can_allocate(request.request_id, target, reserve)
+
+    def schedule(
+        self,
+        request: Request,
+        num_tokens: int,
+        *,
+        cover: int | None = None,
+        reserve: str | None = None,
+    ) -> bool:
+        """Advances `request` by `num_tokens` this step. `cover` overrides the token count
+        its blocks must hold (e.g. a whole prompt at admission). False: nothing changed."""
+        rid = request.request_id
+        if rid in self.scheduled or num_tokens <= 0 or num_tokens > request.num_tokens_to_compute:
+            raise ValueError(f"cannot schedule {num_tokens} tokens of {request!r} (already scheduled or too many)")
+        if not self.budget.can_fit(num_tokens):
+            return False
+        target = cover if cover is not None else self.tokens_to_cover(request, num_tokens)
+        target = max(target, request.num_computed_tokens + num_tokens)
+        if self.kv.allocate(rid, target, reserve) is None:
+            self._sched.metrics.kv_alloc_failures += 1
+            return False
+        if request.status.is_waiting:
+            self._sched._admit(request, self.now)
+        elif not request.status.is_running:
+            raise ValueError(f"{request!r} is not waiting or running; swap it in or resume it first")
+        self.budget.consume(num_tokens)
+        self.scheduled[rid] = num_tokens
+        return True
+
+    def unschedule(self, request: Request) -> None:
+        """Takes a request out of this step (its blocks stay allocated)."""
+        n = self.scheduled.pop(request.request_id)
+        self.budget.give_back(n)
+
+    def preempt(
+        self, request: Request, mode: PreemptionMode, reason: PreemptionReason, *, to_front: bool = True
+    ) -> None:
+        if request.request_id in self.scheduled:
+            self.unschedule(request)
+        if mode is PreemptionMode.SWAP and request.request_id not in self._sched._known:
+            mode = PreemptionMode.RECOMPUTE  # the worker never computed its KV: nothing to copy
+        if mode is PreemptionMode.SWAP and not self._swap_out(request):
+            mode = PreemptionMode.RECOMPUTE  # swap space full: recompute is the only way out
+        self._sched._preempt(request, mode, reason, self.now, to_front=to_front)
+        self.num_preempted += 1
+
+    def _swap_out(self, request: Request) -> bool:
+        pairs = self.kv.swap_out(request.request_id)
+        if pairs is None:
+            return False
+        if pairs:
+            src, dst = zip(*pairs, strict=True)
+            int8 = bool(self._sched.policy.ctx.extras.get("int8_swap", False))
+            self.kv_moves.append(KVMove(KVMoveKind.SWAP_OUT, request.request_id, src, dst, int8))
+        return True
+
+    def swap_in(self, request: Request, reserve: str | None = None) -> bool:
+        """Brings a swapped request's KV back to the GPU and into the running set."""
+        if request.status is not RequestStatus.PREEMPTED_SWAPPED:
+            raise ValueError(f"{request!r} is not swapped out")
+        pairs = self.kv.swap_in(request.request_id, reserve)
+        if pairs is None:
+            return False
+        if pairs:
+            src, dst = zip(*pairs, strict=True)
+            int8 = bool(self._sched.policy.ctx.extras.get("int8_swap", False))
+            self.kv_moves.append(KVMove(KVMoveKind.SWAP_IN, request.request_id, src, dst, int8))
+        self._sched._resume(request, self.now, table_replaced=True)
+        return True
+
+    def resume(self, request: Request) -> None:
+        """Puts a kept (offload-free preempted) request back into the running set."""
+        if request.status is not RequestStatus.PREEMPTED_KEPT:
+            raise ValueError(f"{request!r} is not kept")
+        self._sched._resume(request, self.now, table_replaced=False)
+
+    def return_to_pool(self, request: Request) -> None:
+        """Frees the request's KV and hands it back to the router (SCLS slices end this way);
+        its generated tokens are kept and prefilled again wherever it runs next."""
+        if request.request_id in self.scheduled:
+            self.unschedule(request)
+        self._sched._return_to_pool(request, self.now)
+
+    def shrink_allocation(self, request: Request, num_tokens_kept: int) -> list[int]:
+        freed = self.kv.free_tail(request.request_id, num_tokens_kept)
+        if freed:
+            self._sched._table_replaced.add(request.request_id)
+        return freed
+
+    def lend_blocks(self, host: Request, guest: Request, num_blocks: int) -> list[int]:
+        """Moves the tail of the host's allocation to the guest (EconoServe KV pipelining)."""
+        moved = self.kv.transfer_tail(host.request_id, guest.request_id, num_blocks)
+        self._sched._table_replaced.add(host.request_id)
+        return moved
+
+    def finish(self, request: Request, status: RequestStatus, message: str = "") -> None:
+        """Ends a request from inside a policy (e.g. a deadline that cannot be met)."""
+        if request.request_id in self.scheduled:
+            self.unschedule(request)
+        self._sched._finish(request, status, self.now, message)

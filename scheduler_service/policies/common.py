@@ -1,0 +1,103 @@
+"""Moves the continuous-batching baselines share: KV-pressure preemption of the newest
+request (vLLM), priority preemption, swap-in of swapped requests, FCFS admission.
+
+vLLM's rule, which every baseline here follows: when a running request needs a block and
+none is free, preempt the most recently admitted running request (recompute by default,
+swap as an option) and put it at the head of the waiting queue; if the request itself is
+the newest, it is the one preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from scheduler_service.core.policy import PolicyConfig
+from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.step_builder import StepBuilder
+
+
+@dataclass
+class ContinuousBatchingConfig(PolicyConfig):
+    watermark: float = 0.01  # share of GPU blocks kept free at admission (vLLM)
+    priority: bool = False  # order waiting by (priority, arrival) and preempt for priority
+
+
+def preemption_mode(config: PolicyConfig) -> PreemptionMode:
+    return PreemptionMode(config.preemption_mode)
+
+
+def waiting_order(step: StepBuilder, by_priority: bool) -> Iterator[Request]:
+    """FCFS (preempted requests already sit at the head), or by (priority, arrival)."""
+    if not by_priority:
+        return iter(list(step.waiting.values()))
+    return iter(sorted(step.waiting.values(), key=lambda r: (r.priority, r.arrival_time)))
+
+
+def victim_order(running: list[Request], by_priority: bool) -> list[Request]:
+    """Running requests, the first to preempt LAST (so `pop()` yields the next victim)."""
+    if not by_priority:
+        return running
+    return sorted(running, key=lambda r: (-r.priority, r.arrival_time), reverse=True)
+
+
+def schedule_with_preemption(
+    step: StepBuilder,
+    request: Request,
+    num_tokens: int,
+    victims: deque[Request],
+    mode: PreemptionMode,
+) -> bool:
+    """Schedules `request`, preempting victims from the right end of `victims` while its
+    KV does not fit. False when the budget is spent or the request itself had to be preempted."""
+    while not step.schedule(request, num_tokens):
+        if not step.budget.can_fit(num_tokens):
+            return False
+        victim = victims.pop() if victims else request
+        step.preempt(victim, mode, PreemptionReason.KV_PRESSURE)
+        if victim is request:
+            return False
+    return True
+
+
+def admission_fits(step: StepBuilder, request: Request, cover_tokens: int, watermark: float) -> bool:
+    """The request's blocks for `cover_tokens` fit and leave the watermark free."""
+    kv = step.kv
+    need = kv.num_new_blocks(request.request_id, cover_tokens)
+    return kv.gpu.num_available() - need >= int(watermark * kv.gpu.num_blocks)
+
+
+def swap_in_fcfs(step: StepBuilder, max_running: int) -> int:
+    """Brings swapped requests back in swap-out order while blocks and seats allow;
+    each also decodes this step (its blocks must cover one more token)."""
+    n = 0
+    for req in list(step.swapped.values()):
+        if len(step.running) >= max_running or not step.budget.can_fit(1):
+            break
+        need = step.kv.num_blocks_for(req.num_computed_tokens + 1)
+        if need > step.kv.gpu.num_available() or not step.swap_in(req):
+            break
+        if not step.schedule(req, req.num_tokens_to_compute if req.is_prefill else 1):
+            break
+        n += 1
+    return n
+
+
+def preempt_for_priority(step: StepBuilder, request: Request, cover_tokens: int, mode: PreemptionMode) -> bool:
+    """Frees room for a waiting request by preempting running requests of strictly lower
+    priority (larger value), lowest first; vLLM preempts only under KV pressure, which is
+    why users find its priorities ignored."""
+    candidates = sorted(
+        (r for r in step.running.values() if r.priority > request.priority),
+        key=lambda r: (r.priority, -r.arrival_time),
+    )
+    while not step.can_allocate(request, 0, cover=cover_tokens) and candidates:
+        victim = candidates.pop()
+        step.preempt(victim, mode, PreemptionReason.PRIORITY)
+    return step.can_allocate(request, 0, cover=cover_tokens)
+
+
+def reject_unservable(step: StepBuilder, request: Request, why: str) -> None:
+    step.finish(request, RequestStatus.FINISHED_REJECTED, why)

@@ -1,0 +1,103 @@
+"""Global scheduling across workers: which worker's queue a request joins.
+
+A router sees one `WorkerLoad` per worker and answers a worker id, or None to hold the
+request in its own pool (routers that batch globally, like SCLS's, release held
+requests at `next_release`). It is told when a request leaves a worker so load
+estimates stay exact. Pure: no clock, no I/O. Registered by name in `ROUTERS`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler_service.core.request import Request
+from scheduler_service.registry import Registry
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    worker_id: int
+    healthy: bool
+    num_waiting: int
+    num_running: int
+    free_gpu_blocks: int
+    total_gpu_blocks: int
+
+
+class Router(ABC):
+    name = "abstract"
+
+    def __init__(self) -> None:
+        self.held: list[Request] = []
+
+    @abstractmethod
+    def select(self, request: Request, loads: Sequence[WorkerLoad], now: float) -> int | None:
+        """The worker for `request`, or None to hold it in `self.held`."""
+
+    def on_request_left(self, request: Request, worker_id: int, now: float) -> None:
+        """`request` finished on, or was returned by, `worker_id`."""
+
+    def release(self, loads: Sequence[WorkerLoad], now: float) -> list[tuple[Request, int]]:
+        """Held requests to place now (routers that hold nothing return [])."""
+        return []
+
+    def next_release(self, now: float) -> float | None:
+        return None
+
+
+ROUTERS: Registry[type[Router]] = Registry("router")
+
+
+def healthy_ids(loads: Sequence[WorkerLoad]) -> list[int]:
+    return [w.worker_id for w in loads if w.healthy]
+
+
+@ROUTERS.register("round_robin")
+class RoundRobinRouter(Router):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._next = 0
+
+    def select(self, request: Request, loads: Sequence[WorkerLoad], now: float) -> int | None:
+        n = len(loads)
+        for i in range(n):
+            load = loads[(self._next + i) % n]
+            if load.healthy:
+                self._next = (self._next + i + 1) % n
+                return load.worker_id
+        return None
+
+
+@ROUTERS.register("least_work")
+class LeastWorkRouter(Router):
+    """Least outstanding work: tokens still to prefill plus (predicted) tokens to decode."""
+
+    name = "least_work"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.work: dict[int, int] = {}
+        self._charged: dict[str, tuple[int, int]] = {}
+
+    @staticmethod
+    def estimate(request: Request) -> int:
+        return request.num_tokens_to_compute + request.remaining_output_estimate
+
+    def select(self, request: Request, loads: Sequence[WorkerLoad], now: float) -> int | None:
+        ids = healthy_ids(loads)
+        if not ids:
+            return None
+        best = min(ids, key=lambda w: (self.work.get(w, 0), w))
+        cost = self.estimate(request)
+        self.work[best] = self.work.get(best, 0) + cost
+        self._charged[request.request_id] = (best, cost)
+        return best
+
+    def on_request_left(self, request: Request, worker_id: int, now: float) -> None:
+        charged = self._charged.pop(request.request_id, None)
+        if charged is not None:
+            self.work[charged[0]] -= charged[1]

@@ -1,0 +1,89 @@
+"""SimulatedExecutor: a worker that obeys StepPlans on a virtual clock.
+
+It keeps the same per-request state a real worker keeps (tokens computed, tokens
+generated), turns each plan into a BatchShape, prices it with the cost model, and
+"samples" a token for every request in `sample_ids`: the end-of-sequence token once the
+request reaches its true length from the trace, a filler token otherwise. Static-batching
+plans (`padded_len`, `invalid_tokens` in the metadata) are priced with their padding.
+KV swaps are priced over PCIe; int8 halves the bytes (ALISE), and `overlap_swap` hides
+them behind compute as an engine with a copy stream does.
+"""
+
+from __future__ import annotations
+
+from scheduler_service.core.plan import KVMoveKind, StepError, StepPlan, StepResult
+from scheduler_service.costmodel.base import BatchShape, CostModel
+
+SIM_EOS = 0
+SIM_TOKEN = 1
+
+
+class SimulatedExecutor:
+    def __init__(
+        self, cost_model: CostModel, bytes_per_block: int, truth: dict[str, int], overlap_swap: bool = False
+    ) -> None:
+        self.cost_model = cost_model
+        self.bytes_per_block = bytes_per_block
+        self.truth = truth  # request id -> true output length (shared with the simulator)
+        self.overlap_swap = overlap_swap
+        self.computed: dict[str, int] = {}
+        self.generated: dict[str, int] = {}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        computed, generated = self.computed, self.generated
+        for rid in plan.release_ids:
+            computed.pop(rid, None)
+            generated.pop(rid, None)
+        for new in plan.new_requests:
+            computed[new.request_id] = new.num_computed_tokens
+            generated[new.request_id] = new.num_output_tokens
+        missing = plan.num_scheduled_tokens.keys() - computed.keys()
+        if missing:
+            return self._error(plan, min(missing))
+        shape = BatchShape()
+        chunks = shape.prefill_chunks
+        padded = plan.metadata.get("padded_len") if plan.metadata else None
+        for rid, n in plan.num_scheduled_tokens.items():
+            ctx = computed[rid]
+            if n == 1 and ctx > 0:
+                shape.add_decode(ctx + 1)
+            else:
+                chunks.append((padded, 0) if padded else (n, ctx))
+            computed[rid] = ctx + n
+        if plan.metadata.get("invalid_tokens"):
+            shape.num_decodes += int(plan.metadata["invalid_tokens"])
+            shape.decode_context_sum += int(plan.metadata.get("invalid_context_sum", 0))
+        compute_s = self.cost_model.iteration_time(shape) if shape.num_seqs else 0.0
+        swap_bytes = self._swap_bytes(plan)
+        swap_s = self.cost_model.swap_time(swap_bytes)
+        total = max(compute_s, swap_s) if self.overlap_swap else compute_s + swap_s
+        return StepResult(
+            step_id=plan.step_id,
+            sampled_token_ids=self._sample(plan),
+            total_s=total,
+            forward_s=compute_s,
+            swap_s=swap_s,
+            swap_bytes=swap_bytes,
+        )
+
+    def _sample(self, plan: StepPlan) -> dict[str, int]:
+        generated, truth = self.generated, self.truth
+        out: dict[str, int] = {}
+        for rid in plan.sample_ids:
+            n = generated[rid] + 1
+            generated[rid] = n
+            out[rid] = SIM_EOS if n >= truth[rid] else SIM_TOKEN
+        return out
+
+    def _swap_bytes(self, plan: StepPlan) -> int:
+        total = 0
+        for move in plan.kv_moves:
+            if move.kind is KVMoveKind.COPY:
+                continue
+            nbytes = move.num_blocks * self.bytes_per_block
+            total += nbytes // 2 if move.int8 else nbytes
+        return total
+
+    def _error(self, plan: StepPlan, rid: str) -> StepResult:
+        error = StepError("INVALID_ARGUMENT", f"num_scheduled_tokens: unknown request {rid!r}", rid)
+        return StepResult(plan.step_id, {}, total_s=0.0, error=error)
