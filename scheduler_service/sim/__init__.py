@@ -1,0 +1,1 @@
+"""The trace-driven simulator: workloads, SLO profiles and the virtual-clock executor."""

@@ -1,0 +1,90 @@
+"""Capacity: the largest arrival rate whose simulation still meets an SLO rule, found by
+doubling then bisection (Sarathi-Serve section 5: capacity = the largest QPS with P99 TBT
+within the SLO and median scheduling delay at most 2 s).
+
+Rules: `sarathi` (P99 TBT <= the workload's TBT SLO and median queueing delay <= 2 s),
+`attainment:X` (request-level SLO attainment >= X), `p99_tbt:S`, `p99_ttft:S`,
+`norm_latency:S` (mean normalized latency <= S, the EconoServe/ALISE criterion).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler_service.sim.simulator import SimRun
+
+SCHEDULING_DELAY_LIMIT_S = 2.0
+
+
+@dataclass(frozen=True)
+class SLORule:
+    name: str
+    threshold: float | None
+
+    def holds(self, run: SimRun, tbt_slo_s: float | None) -> bool:
+        m, d = run.metrics, run.details
+        if m["num_finished"] == 0:
+            return False
+        if self.name == "sarathi":
+            if tbt_slo_s is None:
+                raise ValueError("the sarathi rule needs TBT SLOs (use --slo-profile sarathi-strict or -relaxed)")
+            p99_tbt = m["tbt_s"]["p99"] or 0.0
+            return p99_tbt <= tbt_slo_s and d["queue_time_s"]["p50"] <= SCHEDULING_DELAY_LIMIT_S
+        value = self.threshold
+        assert value is not None
+        if self.name == "attainment":
+            return (m["slo_attainment_req"] or 0.0) >= value
+        if self.name == "p99_tbt":
+            return (m["tbt_s"]["p99"] or 0.0) <= value
+        if self.name == "p99_ttft":
+            return (m["ttft_s"]["p99"] or 0.0) <= value
+        return (m["normalized_latency_s"] or 0.0) <= value
+
+
+def parse_rule(text: str) -> SLORule:
+    name, _, value = text.partition(":")
+    if name == "sarathi":
+        return SLORule(name, None)
+    if name not in ("attainment", "p99_tbt", "p99_ttft", "norm_latency") or not value:
+        raise ValueError(f"unknown SLO rule {text!r}; use sarathi, attainment:X, p99_tbt:S, p99_ttft:S, norm_latency:S")
+    return SLORule(name, float(value))
+
+
+@dataclass
+class CapacityResult:
+    capacity_req_s: float
+    probes: list[tuple[float, bool]]  # (rate, rule held)
+    run_at_capacity: SimRun | None
+
+
+def find_capacity(
+    run_at: Callable[[float], SimRun],
+    rule: SLORule,
+    tbt_slo_s: float | None,
+    start_rate: float = 1.0,
+    rel_tol: float = 0.05,
+    max_probes: int = 16,
+) -> CapacityResult:
+    probes: list[tuple[float, bool]] = []
+    best: SimRun | None = None
+
+    def ok(rate: float) -> bool:
+        nonlocal best
+        run = run_at(rate)
+        held = rule.holds(run, tbt_slo_s)
+        probes.append((rate, held))
+        if held and (best is None or rate > best.config["rate"]):
+            best = run
+        return held
+
+    lo, hi = 0.0, start_rate
+    while ok(hi) and len(probes) < max_probes:
+        lo, hi = hi, hi * 2
+    while hi - lo > rel_tol * hi and len(probes) < max_probes:
+        mid = (lo + hi) / 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return CapacityResult(lo, probes, best)

@@ -1,0 +1,146 @@
+"""`load_trace`: a short name, a synthetic generator's name or a path in, a `Workload` out.
+
+Data flow: name -> file in `data_dir()` (SHORT_NAMES) or a path -> format (given, or
+detected from the file's header / first record by each TRACE_FORMATS entry's `matches`) ->
+the format's reader (streams, stops at `num_requests`) -> `Workload` with provenance
+metadata -> optional arrival process (arrivals.py). Synthetic names (synthetic.py) skip the
+file steps. Unknown names are FileNotFoundError, unrecognised files ValueError; both say
+which file and what was expected.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from scheduler_service.sim.workloads import csv_formats, json_formats, sluice_jsonl  # noqa: F401  (registration)
+from scheduler_service.sim.workloads.arrivals import apply_arrivals
+from scheduler_service.sim.workloads.base import TRACE_FORMATS, FileHead, ReadOptions, TraceFormat, Workload
+from scheduler_service.sim.workloads.fileio import read_head
+from scheduler_service.sim.workloads.synthetic import SYNTHETIC_WORKLOADS
+from scheduler_service.sim.workloads.tokens import TokenCounter, make_token_counter
+from sluice.common.paths import data_dir
+
+SHORT_NAMES: dict[str, str] = {
+    "azure-conv": "traces/AzureLLMInferenceTrace_conv.csv",
+    "azure-code": "traces/AzureLLMInferenceTrace_code.csv",
+    "arxiv": "traces/vidur_arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
+    "sharegpt": "traces/sarathi_sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
+    "mooncake": "traces/mooncake_synthetic_trace.jsonl",
+    "sharegpt-conversations": "prompts/sharegpt_v3_conversations.jsonl.gz",
+    "alpaca-eval": "prompts/alpaca_eval_outputs_32models.jsonl.gz",
+    "codealpaca": "prompts/codealpaca_new_codealpaca.json",
+    "codealpaca-2k": "prompts/codealpaca_code_alpaca_2k.json",
+}
+DEFAULT_SYNTHETIC_REQUESTS = 10_000
+# NOTE: sluice is checked first: its records may carry any other format's keys as extras.
+_DETECTION_ORDER = ("sluice", "mooncake", "sharegpt", "codealpaca", "alpaca-eval", "azure", "burstgpt", "vidur")
+
+
+def known_names() -> list[str]:
+    return sorted(SHORT_NAMES) + SYNTHETIC_WORKLOADS.names()
+
+
+def resolve_path(name_or_path: str | Path) -> Path:
+    key = str(name_or_path)
+    if key in SHORT_NAMES:
+        path = data_dir() / SHORT_NAMES[key]
+        if not path.is_file():
+            raise FileNotFoundError(f"trace {key!r} should be at {path}, which does not exist")
+        return path
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no trace file {str(path)!r} and no trace by that name; known names: {', '.join(known_names())}"
+        )
+    return path
+
+
+def detect_format(path: str | Path) -> TraceFormat:
+    head = _read_head(Path(path))
+    names = [n for n in _DETECTION_ORDER if n in TRACE_FORMATS] + [
+        n for n in TRACE_FORMATS if n not in _DETECTION_ORDER
+    ]
+    for name in names:
+        fmt = TRACE_FORMATS.get(name)
+        if fmt.matches(head):
+            return fmt
+    raise ValueError(f"{path}: unrecognised trace format ({_describe(head)}); expected one of: {_expected()}")
+
+
+def _read_head(path: Path) -> FileHead:
+    try:
+        return read_head(path)
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        raise ValueError(
+            f"{path}: cannot read it as CSV, JSON or JSON Lines ({exc}); expected one of: {_expected()}"
+        ) from exc
+
+
+def _describe(head: FileHead) -> str:
+    if head.kind == "csv":
+        return f"CSV header {list(head.columns)}"
+    keys = sorted(head.first_record) if head.first_record else []
+    return f"{head.kind} whose first record has keys {keys}"
+
+
+def _expected() -> str:
+    return "; ".join(TRACE_FORMATS.get(n).description for n in TRACE_FORMATS)
+
+
+def read_trace_file(
+    path: str | Path,
+    *,
+    num_requests: int | None = None,
+    fmt: str | None = None,
+    token_counter: TokenCounter | None = None,
+    name: str | None = None,
+) -> Workload:
+    path = Path(path)
+    if fmt is not None and fmt not in TRACE_FORMATS:
+        raise ValueError(f"{path}: unknown trace format {fmt!r}; known: {', '.join(TRACE_FORMATS.names())}")
+    trace_format = TRACE_FORMATS.get(fmt) if fmt is not None else detect_format(path)
+    counter = token_counter or make_token_counter()
+    try:
+        requests, extra = trace_format.read(path, ReadOptions(num_requests, counter))
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"{path}: not a valid {trace_format.description} file: {exc!r}") from exc
+    metadata: dict[str, Any] = {
+        "path": str(path),
+        "format": trace_format.name,
+        "num_requests_limit": num_requests,
+        "token_counter": getattr(counter, "name", repr(counter)),
+        "history": [f"load {path.name} as {trace_format.name}"],
+        **extra,
+    }
+    return Workload(name or path.stem, requests, metadata)
+
+
+def load_trace(
+    name_or_path: str | Path,
+    *,
+    num_requests: int | None = None,
+    seed: int = 0,
+    fmt: str | None = None,
+    token_counter: TokenCounter | None = None,
+    tokenizer_path: str | Path | None = None,
+    rate: float | None = None,
+    arrival: str = "auto",
+    cv: float = 1.0,
+) -> Workload:
+    """Load a trace, prompt set or synthetic workload; with `rate` (or a named `arrival`
+    process) also give it arrival times. `seed` drives synthetic lengths and arrivals."""
+    if num_requests is not None and num_requests < 0:
+        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    key = str(name_or_path)
+    if key in SYNTHETIC_WORKLOADS and key not in SHORT_NAMES:
+        workload = SYNTHETIC_WORKLOADS.get(key).generate(num_requests or DEFAULT_SYNTHETIC_REQUESTS, seed)
+    else:
+        counter = token_counter or make_token_counter(tokenizer_path)
+        name = key if key in SHORT_NAMES else None
+        workload = read_trace_file(
+            resolve_path(key), num_requests=num_requests, fmt=fmt, token_counter=counter, name=name
+        )
+    if rate is None and arrival in ("auto", "trace"):
+        return workload
+    return apply_arrivals(workload, arrival, rate=rate, cv=cv, seed=seed)

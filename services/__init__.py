@@ -1,0 +1,1 @@
+"""The face: the `sluice` command and the launchers of each service."""
