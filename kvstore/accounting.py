@@ -108,8 +108,11 @@ class BlockPool:
         if num_blocks > self.num_available(reserve):
             return None
         free = self._free
-        taken = free[len(free) - num_blocks :] if num_blocks else []
+        if not num_blocks:
+            return []
+        taken = free[len(free) - num_blocks :]
         del free[len(free) - num_blocks :]
+        taken.reverse()  # the stack's top holds the lowest ids: hand them out in order
         in_use = self._in_use
         for b in taken:
             in_use[b] = 1

@@ -102,7 +102,9 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token_per_gpu(self) -> int:
-        return self.kv_bytes_per_token // self.tensor_parallel
+        # NOTE: with fewer KV heads than GPUs each GPU keeps a full copy of one head.
+        heads = max(1, self.num_kv_heads // self.tensor_parallel)
+        return 2 * self.num_layers * heads * self.head_dim * self.dtype_bytes
 
 
 @dataclass(frozen=True, slots=True)
