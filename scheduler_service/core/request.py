@@ -156,7 +156,7 @@ class Request:
 
     @property
     def num_tokens_to_compute(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_prompt_tokens + self.num_output_tokens - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:

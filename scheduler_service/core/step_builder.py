@@ -32,6 +32,7 @@ class StepBuilder:
         self.kv_moves: list[KVMove] = []
         self.metadata: dict[str, object] = {}
         self.num_preempted = 0
+        self._block_mode = scheduler.policy.allocation_mode in (AllocationMode.BLOCK, AllocationMode.RESERVED)
 
     # Views of the scheduler's sets (ordered: waiting FCFS with preempted at the head,
     # running in admission order).
@@ -87,8 +88,13 @@ class StepBuilder:
             raise ValueError(f"cannot schedule {num_tokens} tokens of {request!r} (already scheduled or too many)")
         if not self.budget.can_fit(num_tokens):
             return False
-        target = cover if cover is not None else self.tokens_to_cover(request, num_tokens)
-        target = max(target, request.num_computed_tokens + num_tokens)
+        needed = request.num_computed_tokens + num_tokens
+        if cover is not None:
+            target = max(cover, needed)
+        elif self._block_mode:  # NOTE: the hot path (every decode, every step)
+            target = needed
+        else:
+            target = max(self.tokens_to_cover(request, num_tokens), needed)
         if self.kv.allocate(rid, target, reserve) is None:
             self._sched.metrics.kv_alloc_failures += 1
             return False

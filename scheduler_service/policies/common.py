@@ -32,8 +32,18 @@ def preemption_mode(config: PolicyConfig) -> PreemptionMode:
 def waiting_order(step: StepBuilder, by_priority: bool) -> Iterator[Request]:
     """FCFS (preempted requests already sit at the head), or by (priority, arrival)."""
     if not by_priority:
-        return iter(list(step.waiting.values()))
+        return _fcfs(step.waiting)
     return iter(sorted(step.waiting.values(), key=lambda r: (r.priority, r.arrival_time)))
+
+
+def _fcfs(waiting: dict[str, Request]) -> Iterator[Request]:
+    """Yields the queue's head while the caller keeps taking it: O(admitted), not O(queue),
+    since FCFS admission stops at the first request that does not fit."""
+    while waiting:
+        head = next(iter(waiting.values()))
+        yield head
+        if waiting and next(iter(waiting.values())) is head:
+            return
 
 
 def victim_order(running: list[Request], by_priority: bool) -> list[Request]:

@@ -1,0 +1,318 @@
+"""The scheduler <-> worker wire: core dataclasses to and from the `sluice.v1` worker protos.
+
+    scheduler                                   worker
+    StepPlan   --plan_to_proto-->   ExecuteRequest   --plan_from_proto-->   StepPlan
+    StepResult <-result_from_proto- ExecuteResponse  <-result_to_proto---   StepResult
+
+Both sides import this module, so it stays torch-free. Decoding is where untrusted bytes
+become domain objects: every shape check that the dataclasses cannot express (column
+lengths, duplicate ids, enum values, sampling ranges) raises `InvalidRequestError` naming
+the proto field, which the worker turns into a `StepError` without touching its engine.
+
+Fields the proto does not carry travel as follows: `StepPlan.worker_id` is the receiver's
+own id (given to `plan_from_proto`), `StepPlan.token_budget` rides in `metadata` under
+`TOKEN_BUDGET_KEY`, `NewRequestData.num_tokens` is the length of the prompt ids, and
+`SamplingParams.extra` stays on the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from scheduler_service.core.plan import (
+    CachedRequestData,
+    KVMove,
+    KVMoveKind,
+    NewRequestData,
+    StepError,
+    StepPlan,
+    StepResult,
+)
+from scheduler_service.core.sampling import InvalidRequestError, SamplingParams
+from sluice.v1 import common_pb2, worker_pb2
+
+TOKEN_BUDGET_KEY = "sluice.token_budget"
+
+# NOTE: plans with many new long prompts exceed gRPC's 4 MiB default (256 prompts of 8k
+# tokens are ~6 MiB of varints); KV never travels in these messages, so 64 MiB is ample.
+MAX_MESSAGE_BYTES = 64 * 2**20
+
+# Keepalive per ECOSYSTEM.md: a dead peer on the long-lived step stream is noticed in
+# seconds instead of at the OS TCP timeout.
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+_DEFAULTS = SamplingParams()
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_INT_FIELDS = ("top_k", "max_tokens", "min_tokens")
+
+
+# ---------------------------------------------------------------- sampling parameters
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Every field is set explicitly, so the receiver never depends on our defaults."""
+    return common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        seed=params.seed,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        skip_special_tokens=params.skip_special_tokens,
+    )
+
+
+def _float32_to_decimal(value: float) -> float:
+    # NOTE: proto floats are 32-bit; 0.7 comes back as 0.699999988. Seven significant
+    # digits is float32's precision, so this recovers the decimal the sender meant.
+    return float(f"{value:.7g}")
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, prefix: str = "sampling_params") -> SamplingParams:
+    """Unset optional fields take the dataclass defaults; the result is validated."""
+    if msg.HasField("n") and msg.n != 1:
+        raise InvalidRequestError(f"{prefix}.n", f"only n=1 is supported, got {msg.n}")
+    kwargs: dict = {}
+    for name in _FLOAT_FIELDS:
+        if msg.HasField(name):
+            kwargs[name] = _float32_to_decimal(getattr(msg, name))
+    for name in _INT_FIELDS:
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    if msg.HasField("seed"):
+        kwargs["seed"] = msg.seed
+    if msg.HasField("skip_special_tokens"):
+        kwargs["skip_special_tokens"] = msg.skip_special_tokens
+    params = SamplingParams(
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        **kwargs,
+    )
+    params.validate(prefix)
+    return params
+
+
+# ---------------------------------------------------------------- step plan
+
+
+def _new_request_to_proto(req: NewRequestData) -> worker_pb2.NewRequest:
+    return worker_pb2.NewRequest(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        sampling_params=sampling_to_proto(req.sampling),
+        block_ids=req.block_ids,
+        num_computed_tokens=req.num_computed_tokens,
+        num_output_tokens=req.num_output_tokens,
+        traceparent=req.traceparent,
+    )
+
+
+def _cached_to_proto(cached: CachedRequestData) -> worker_pb2.CachedRequests:
+    return worker_pb2.CachedRequests(
+        request_ids=cached.request_ids,
+        new_block_ids=[worker_pb2.BlockIds(ids=ids) for ids in cached.new_block_ids],
+        resumed=cached.resumed,
+        num_computed_tokens=cached.num_computed_tokens,
+    )
+
+
+def _move_to_proto(move: KVMove) -> worker_pb2.KvMove:
+    return worker_pb2.KvMove(
+        kind=int(move.kind),
+        request_id=move.request_id,
+        src_block_ids=move.src_block_ids,
+        dst_block_ids=move.dst_block_ids,
+        int8=move.int8,
+    )
+
+
+def plan_to_proto(plan: StepPlan) -> worker_pb2.ExecuteRequest:
+    scheduled = plan.num_scheduled_tokens
+    sample_ids = plan.sample_ids
+    metadata = {str(k): str(v) for k, v in plan.metadata.items()}
+    if plan.token_budget:
+        metadata[TOKEN_BUDGET_KEY] = str(plan.token_budget)
+    return worker_pb2.ExecuteRequest(
+        step_id=plan.step_id,
+        new_requests=[_new_request_to_proto(r) for r in plan.new_requests],
+        cached_requests=_cached_to_proto(plan.cached_requests),
+        scheduled_ids=scheduled.keys(),
+        num_scheduled_tokens=scheduled.values(),
+        sample=[rid in sample_ids for rid in scheduled],
+        release_ids=plan.release_ids,
+        kv_moves=[_move_to_proto(m) for m in plan.kv_moves],
+        metadata=metadata,
+    )
+
+
+def _new_request_from_proto(msg: worker_pb2.NewRequest) -> NewRequestData:
+    if not msg.request_id:
+        raise InvalidRequestError("new_requests.request_id", "must not be empty")
+    prompt = tuple(msg.prompt_token_ids)
+    return NewRequestData(
+        request_id=msg.request_id,
+        prompt_token_ids=prompt,
+        num_tokens=len(prompt),
+        sampling=sampling_from_proto(msg.sampling_params, f"new_requests[{msg.request_id}].sampling_params"),
+        block_ids=tuple(msg.block_ids),
+        num_computed_tokens=msg.num_computed_tokens,
+        num_output_tokens=msg.num_output_tokens,
+        traceparent=msg.traceparent,
+    )
+
+
+def _check_columns(prefix: str, ids: Sequence[str], columns: Mapping[str, Sequence]) -> None:
+    for name, column in columns.items():
+        if len(column) != len(ids):
+            raise InvalidRequestError(
+                f"{prefix}.{name}", f"has {len(column)} entries but {prefix}.request_ids has {len(ids)}"
+            )
+
+
+def _cached_from_proto(msg: worker_pb2.CachedRequests) -> CachedRequestData:
+    ids = tuple(msg.request_ids)
+    _check_columns(
+        "cached_requests",
+        ids,
+        {"new_block_ids": msg.new_block_ids, "resumed": msg.resumed, "num_computed_tokens": msg.num_computed_tokens},
+    )
+    return CachedRequestData(
+        request_ids=ids,
+        new_block_ids=tuple(tuple(b.ids) for b in msg.new_block_ids),
+        resumed=tuple(msg.resumed),
+        num_computed_tokens=tuple(msg.num_computed_tokens),
+    )
+
+
+def _move_from_proto(index: int, msg: worker_pb2.KvMove) -> KVMove:
+    try:
+        kind = KVMoveKind(msg.kind)
+    except ValueError:
+        raise InvalidRequestError(
+            f"kv_moves[{index}].kind", f"must be SWAP_OUT, SWAP_IN or COPY, got {msg.kind}"
+        ) from None
+    if len(msg.src_block_ids) != len(msg.dst_block_ids):
+        raise InvalidRequestError(
+            f"kv_moves[{index}].dst_block_ids",
+            f"has {len(msg.dst_block_ids)} ids but src_block_ids has {len(msg.src_block_ids)}",
+        )
+    return KVMove(kind, msg.request_id, tuple(msg.src_block_ids), tuple(msg.dst_block_ids), msg.int8)
+
+
+def _scheduled_from_proto(msg: worker_pb2.ExecuteRequest) -> tuple[dict[str, int], frozenset[str]]:
+    ids = msg.scheduled_ids
+    if len(msg.num_scheduled_tokens) != len(ids):
+        raise InvalidRequestError(
+            "num_scheduled_tokens", f"has {len(msg.num_scheduled_tokens)} entries but scheduled_ids has {len(ids)}"
+        )
+    if len(msg.sample) != len(ids):
+        raise InvalidRequestError("sample", f"has {len(msg.sample)} entries but scheduled_ids has {len(ids)}")
+    scheduled = dict(zip(ids, msg.num_scheduled_tokens, strict=True))
+    if len(scheduled) != len(ids):
+        duplicate = next(rid for rid, n in Counter(ids).items() if n > 1)
+        raise InvalidRequestError("scheduled_ids", f"request {duplicate!r} is scheduled twice")
+    return scheduled, frozenset(rid for rid, s in zip(ids, msg.sample, strict=True) if s)
+
+
+def plan_from_proto(msg: worker_pb2.ExecuteRequest, worker_id: int = 0) -> StepPlan:
+    """Raises InvalidRequestError naming the field when the message is malformed."""
+    scheduled, sample_ids = _scheduled_from_proto(msg)
+    metadata = dict(msg.metadata)
+    budget = metadata.pop(TOKEN_BUDGET_KEY, "0")
+    return StepPlan(
+        step_id=msg.step_id,
+        worker_id=worker_id,
+        new_requests=tuple(_new_request_from_proto(r) for r in msg.new_requests),
+        cached_requests=_cached_from_proto(msg.cached_requests),
+        num_scheduled_tokens=scheduled,
+        sample_ids=sample_ids,
+        release_ids=tuple(msg.release_ids),
+        kv_moves=tuple(_move_from_proto(i, m) for i, m in enumerate(msg.kv_moves)),
+        token_budget=int(budget) if budget.isdigit() else 0,
+        metadata=metadata,
+    )
+
+
+# ---------------------------------------------------------------- step result
+
+
+def error_to_proto(error: StepError) -> worker_pb2.StepError:
+    return worker_pb2.StepError(code=error.code, message=error.message, request_id=error.request_id)
+
+
+def error_from_proto(msg: worker_pb2.StepError) -> StepError:
+    return StepError(code=msg.code or "UNKNOWN", message=msg.message, request_id=msg.request_id)
+
+
+def result_to_proto(result: StepResult) -> worker_pb2.ExecuteResponse:
+    sampled = result.sampled_token_ids
+    return worker_pb2.ExecuteResponse(
+        step_id=result.step_id,
+        sampled_ids=sampled.keys(),
+        token_ids=sampled.values(),
+        timings=worker_pb2.StepTimings(
+            prepare_s=result.prepare_s,
+            forward_s=result.forward_s,
+            sample_s=result.sample_s,
+            swap_s=result.swap_s,
+            total_s=result.total_s,
+        ),
+        error=error_to_proto(result.error) if result.error is not None else None,
+        swap_bytes=result.swap_bytes,
+    )
+
+
+def result_from_proto(msg: worker_pb2.ExecuteResponse) -> StepResult:
+    if len(msg.token_ids) != len(msg.sampled_ids):
+        raise InvalidRequestError(
+            "token_ids", f"has {len(msg.token_ids)} entries but sampled_ids has {len(msg.sampled_ids)}"
+        )
+    t = msg.timings
+    return StepResult(
+        step_id=msg.step_id,
+        sampled_token_ids=dict(zip(msg.sampled_ids, msg.token_ids, strict=True)),
+        total_s=t.total_s,
+        forward_s=t.forward_s,
+        swap_s=t.swap_s,
+        sample_s=t.sample_s,
+        prepare_s=t.prepare_s,
+        swap_bytes=msg.swap_bytes,
+        error=error_from_proto(msg.error) if msg.HasField("error") else None,
+    )
+
+
+def error_result(step_id: int, code: str, message: str, request_id: str = "") -> StepResult:
+    """A failed step: no request advanced."""
+    return StepResult(step_id=step_id, sampled_token_ids={}, total_s=0.0, error=StepError(code, message, request_id))
