@@ -1,0 +1,389 @@
+"""`sluice profile`: measure our own worker's step times and write a WorkerProfile.
+
+    ProfileGrid -> grid points -> PlanDriver builds real StepPlans -> engine.execute (timed)
+        -> StepSample (BatchShape, median seconds) / SwapSample (direction, bytes, int8)
+        -> WorkerProfile.save(--out) -> fitted cost model, if installed -> MAPE printed
+
+Every measurement drives the engine with the same `StepPlan`s the scheduler sends, so the
+profile prices what a live step costs: plan checks, input building, forward, sampling.
+Setup steps (prefilling the contexts that decodes then read) run untimed. Each grid point
+runs `warmup` times untimed, then `repeats` times; its sample is the median. The driver
+owns block ids as the scheduler does (free lists), giving each request blocks for its
+whole planned length up front. A point that does not fit (KV blocks, max_model_len) is
+skipped and reported, so one grid serves a tiny CPU model and a 7B model on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+
+import torch
+from tqdm import tqdm
+
+from scheduler_service.core.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
+from scheduler_service.core.sampling import SamplingParams
+from scheduler_service.costmodel.base import BatchShape, ModelSpec
+from scheduler_service.costmodel.profile_schema import StepSample, SwapSample, WorkerProfile
+from worker_service.engine import EngineConfig, LLMEngine, StepPlanError
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+_MAX_SETUP_TOKENS = 2048  # setup prefills run in steps no larger than a live step
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileGrid:
+    prefill: tuple[tuple[int, int], ...]  # (chunk tokens, cached prefix)
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    mixed: tuple[tuple[int, int, int], ...]  # (prefill chunk, decodes, decode context)
+    swap_blocks: tuple[int, ...]
+    repeats: int = 5
+    warmup: int = 2
+
+    @property
+    def slack(self) -> int:
+        """Tokens a decoding request grows by while one grid point is measured."""
+        return self.warmup + self.repeats + 1
+
+    def max_blocks(self, block_size: int) -> int:
+        """GPU blocks the largest grid point holds at once."""
+        decode = max(b * _blocks(c + self.slack, block_size) for b in self.decode_batches for c in self.decode_contexts)
+        mixed = max(
+            (d * _blocks(c + self.slack, block_size) + _blocks(p, block_size) for p, d, c in self.mixed), default=0
+        )
+        prefill = max(_blocks(c + p, block_size) for c, p in self.prefill)
+        return max(decode, mixed, prefill, max(self.swap_blocks))
+
+
+QUICK_GRID = ProfileGrid(
+    prefill=((16, 0), (64, 0), (128, 0), (256, 0), (512, 0), (64, 256), (256, 512), (128, 1024)),
+    decode_batches=(1, 4, 16, 64),
+    decode_contexts=(64, 256, 1024),
+    mixed=((64, 8, 128), (256, 16, 64), (128, 32, 512), (512, 4, 256)),
+    swap_blocks=(4, 32, 128),
+    repeats=3,
+    warmup=1,
+)
+FULL_GRID = ProfileGrid(
+    prefill=tuple((c, p) for c in (16, 64, 128, 256, 512, 1024, 2048) for p in (0, 512, 1536)),
+    decode_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    decode_contexts=(128, 512, 1024, 1900),
+    mixed=tuple((c, d, x) for c in (128, 512) for d in (4, 16, 64) for x in (256, 1024)),
+    swap_blocks=(1, 8, 64, 256),
+)
+
+
+def _blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class StepFailed(RuntimeError):
+    """The engine answered a profile step with an error."""
+
+
+class PlanDriver:
+    """Builds StepPlans for synthetic requests and runs them; owns the block ids."""
+
+    def __init__(self, engine: LLMEngine, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.engine = engine
+        self.block_size = engine.info.block_size
+        self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+        engine.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
+        self.free_gpu: list[int] = list(range(num_gpu_blocks))
+        self.free_cpu: list[int] = list(range(num_cpu_blocks))
+        self.tables: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self._step_id = 0
+        self._num_created = 0
+
+    def take(self, pool: list[int], n: int) -> list[int]:
+        if n > len(pool):
+            raise MemoryError(f"needs {n} blocks, {len(pool)} free")
+        taken = pool[:n]
+        del pool[:n]
+        return taken
+
+    def new_request(self, num_tokens: int, reserve_tokens: int) -> NewRequestData:
+        rid = f"profile-{self._num_created}"
+        self._num_created += 1
+        vocab = self.engine.info.vocab_size
+        # NOTE: content does not change timings, only counts do; ids skip 0..2 (specials).
+        prompt = tuple(3 + (i * 7919) % (vocab - 3) for i in range(num_tokens))
+        self.tables[rid] = self.take(self.free_gpu, _blocks(reserve_tokens, self.block_size))
+        self.computed[rid] = 0
+        return NewRequestData(rid, prompt, num_tokens, _GREEDY, tuple(self.tables[rid]))
+
+    def release(self, rids: Sequence[str]) -> None:
+        self.engine.release(list(rids))
+        for rid in rids:
+            self.free_gpu.extend(self.tables.pop(rid))
+            del self.computed[rid]
+
+    def reset(self) -> None:
+        """Forgets every request (after a grid point that did not fit)."""
+        self.release(list(self.tables))
+        self.free_gpu, self.free_cpu = list(range(self.num_gpu_blocks)), list(range(self.num_cpu_blocks))
+
+    def step(
+        self,
+        scheduled: dict[str, int],
+        new: Sequence[NewRequestData] = (),
+        sample: frozenset[str] | None = None,
+        moves: Sequence[KVMove] = (),
+        cached: CachedRequestData | None = None,
+    ) -> tuple[float, StepResult]:
+        """Runs one plan; returns (wall seconds of engine.execute, its result)."""
+        self._step_id += 1
+        plan = StepPlan(
+            step_id=self._step_id,
+            worker_id=0,
+            new_requests=tuple(new),
+            cached_requests=cached or CachedRequestData(),
+            num_scheduled_tokens=scheduled,
+            sample_ids=frozenset(scheduled) if sample is None else sample,
+            kv_moves=tuple(moves),
+        )
+        start = time.perf_counter()
+        result = self.engine.execute(plan)
+        elapsed = time.perf_counter() - start
+        if result.error is not None:
+            raise StepFailed(f"step {plan.step_id}: {result.error.message}")
+        for rid, n in scheduled.items():
+            self.computed[rid] += n
+        return elapsed, result
+
+    def prefill(self, count: int, prompt_len: int, context: int, reserve_tokens: int) -> list[str]:
+        """`count` requests of `prompt_len` tokens with `context` of them computed (untimed).
+
+        A request whose whole prompt is computed samples, so it is ready to decode."""
+        requests = [self.new_request(prompt_len, reserve_tokens) for _ in range(count)]
+        unsent = {r.request_id: r for r in requests}
+        while any(self.computed[r.request_id] < context for r in requests):
+            scheduled: dict[str, int] = {}
+            budget = _MAX_SETUP_TOKENS
+            for r in requests:
+                n = min(context - self.computed[r.request_id], budget)
+                if n > 0:
+                    scheduled[r.request_id] = n
+                    budget -= n
+            done = frozenset(rid for rid, n in scheduled.items() if self.computed[rid] + n == prompt_len)
+            self.step(scheduled, new=[unsent.pop(rid) for rid in scheduled if rid in unsent], sample=done)
+        return [r.request_id for r in requests]
+
+
+def _timed(grid: ProfileGrid, run: Callable[[], float]) -> list[float]:
+    for _ in range(grid.warmup):
+        run()
+    return [run() for _ in range(grid.repeats)]
+
+
+def _decode_shape(driver: PlanDriver, rids: Sequence[str], grid: ProfileGrid, shape: BatchShape) -> BatchShape:
+    # Contexts grew during the timed steps; record the one of the median step.
+    for rid in rids:
+        shape.add_decode(driver.computed[rid] - (grid.repeats + 1) // 2)
+    return shape
+
+
+def profile_prefill(driver: PlanDriver, grid: ProfileGrid, chunk: int, prefix: int) -> list[StepSample]:
+    def run() -> float:
+        if prefix:
+            (rid,) = driver.prefill(1, prefix + chunk, prefix, prefix + chunk)
+            elapsed, _ = driver.step({rid: chunk})
+        else:
+            request = driver.new_request(chunk, chunk)
+            rid = request.request_id
+            elapsed, _ = driver.step({rid: chunk}, new=[request])
+        driver.release([rid])
+        return elapsed
+
+    times = _timed(grid, run)
+    return [StepSample(BatchShape(prefill_chunks=[(chunk, prefix)]), statistics.median(times), times)]
+
+
+def profile_decode(driver: PlanDriver, grid: ProfileGrid, batch: int, context: int) -> list[StepSample]:
+    rids = driver.prefill(batch, context, context, context + grid.slack)
+    times = _timed(grid, lambda: driver.step(dict.fromkeys(rids, 1))[0])
+    shape = _decode_shape(driver, rids, grid, BatchShape())
+    driver.release(rids)
+    return [StepSample(shape, statistics.median(times), times)]
+
+
+def profile_mixed(driver: PlanDriver, grid: ProfileGrid, chunk: int, decodes: int, context: int) -> list[StepSample]:
+    rids = driver.prefill(decodes, context, context, context + grid.slack)
+
+    def run() -> float:
+        request = driver.new_request(chunk, chunk)
+        elapsed, _ = driver.step({request.request_id: chunk, **dict.fromkeys(rids, 1)}, new=[request])
+        driver.release([request.request_id])
+        return elapsed
+
+    times = _timed(grid, run)
+    shape = _decode_shape(driver, rids, grid, BatchShape(prefill_chunks=[(chunk, 0)]))
+    driver.release(rids)
+    return [StepSample(shape, statistics.median(times), times)]
+
+
+def profile_swap(driver: PlanDriver, grid: ProfileGrid, num_blocks: int, int8: bool) -> list[SwapSample]:
+    """One request's blocks swapped out and back in, in steps that do nothing else."""
+    tokens = num_blocks * driver.block_size
+    (rid,) = driver.prefill(1, tokens, tokens, tokens)
+    gpu = tuple(driver.tables[rid])
+    runs: dict[str, list[tuple[float, int]]] = {"out": [], "in": []}
+    for _ in range(grid.warmup + grid.repeats):
+        cpu = tuple(driver.take(driver.free_cpu, num_blocks))
+        elapsed, result = driver.step({}, moves=[KVMove(KVMoveKind.SWAP_OUT, rid, gpu, cpu, int8)])
+        runs["out"].append((elapsed, result.swap_bytes))
+        back = CachedRequestData((rid,), (gpu,), (True,), (driver.computed[rid],))
+        elapsed, result = driver.step({}, moves=[KVMove(KVMoveKind.SWAP_IN, rid, cpu, gpu, int8)], cached=back)
+        runs["in"].append((elapsed, result.swap_bytes))
+        driver.free_cpu.extend(cpu)
+    driver.release([rid])
+    return [
+        SwapSample(
+            direction=direction,
+            num_blocks=num_blocks,
+            bytes=samples[-1][1],
+            time_s=statistics.median(t for t, _ in samples[grid.warmup :]),
+            int8=int8,
+        )
+        for direction, samples in runs.items()
+    ]
+
+
+GridPoint = tuple[str, Callable[[PlanDriver, ProfileGrid], list]]
+
+
+def grid_points(grid: ProfileGrid) -> Iterator[GridPoint]:
+    for chunk, prefix in grid.prefill:
+        yield f"prefill {chunk}+{prefix}", lambda d, g, c=chunk, p=prefix: profile_prefill(d, g, c, p)
+    for batch in grid.decode_batches:
+        for ctx in grid.decode_contexts:
+            yield f"decode {batch}x{ctx}", lambda d, g, b=batch, c=ctx: profile_decode(d, g, b, c)
+    for chunk, decodes, ctx in grid.mixed:
+        yield f"mixed {chunk}+{decodes}x{ctx}", lambda d, g, c=chunk, n=decodes, x=ctx: profile_mixed(d, g, c, n, x)
+    for num_blocks in grid.swap_blocks:
+        for int8 in (False, True):
+            label = f"swap {num_blocks} blocks{' int8' if int8 else ''}"
+            yield label, lambda d, g, n=num_blocks, q=int8: profile_swap(d, g, n, q)
+
+
+def model_spec(engine: LLMEngine) -> ModelSpec:
+    c = engine.model_config
+    return ModelSpec(
+        name=engine.config.model,
+        num_layers=c.num_layers,
+        hidden_size=c.hidden_size,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        intermediate_size=c.intermediate_size,
+        vocab_size=c.vocab_size,
+        max_model_len=engine.max_model_len,
+        gated_mlp=c.family == "llama",
+        dtype_bytes=engine.dtype.itemsize,
+    )
+
+
+def device_name(engine: LLMEngine) -> str:
+    if engine.device.type == "cuda":
+        return f"{engine.device} ({torch.cuda.get_device_name(engine.device)})"
+    return str(engine.device)
+
+
+def kv_capacity(engine: LLMEngine, grid: ProfileGrid, gpu_memory_utilization: float) -> tuple[int, int]:
+    """As many blocks as the largest grid point needs, or as many as fit."""
+    block_size = engine.info.block_size
+    wanted_gpu, wanted_cpu = grid.max_blocks(block_size), max(grid.swap_blocks)
+    swap_gib = wanted_cpu * engine.info.bytes_per_block / 2**30
+    fits = engine.measure_kv_capacity(gpu_memory_utilization, swap_gib, _MAX_SETUP_TOKENS)
+    return max(1, min(wanted_gpu, fits.num_gpu_blocks)), wanted_cpu
+
+
+def run_profile(
+    engine: LLMEngine, grid: ProfileGrid, gpu_memory_utilization: float = 0.9, progress: bool = True
+) -> tuple[WorkerProfile, list[str]]:
+    """Measures every grid point; returns the profile and the labels of skipped points."""
+    driver = PlanDriver(engine, *kv_capacity(engine, grid, gpu_memory_utilization))
+    profile = WorkerProfile(
+        model=model_spec(engine),
+        device=device_name(engine),
+        dtype=engine.info.dtype,
+        block_size=engine.info.block_size,
+        created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+    skipped: list[str] = []
+    points = list(grid_points(grid))
+    bar = tqdm(points, desc="profile", unit="point", disable=not progress)
+    for label, measure in bar:
+        bar.set_postfix_str(label)
+        try:
+            samples = measure(driver, grid)
+        except (MemoryError, StepFailed, StepPlanError) as exc:
+            skipped.append(f"{label}: {exc}")
+            driver.reset()
+            continue
+        target = profile.swaps if label.startswith("swap") else profile.steps
+        target.extend(samples)
+    return profile, skipped
+
+
+def report_fit(profile: WorkerProfile) -> float | None:
+    """Fits the profile with the fitted cost model when it is installed; returns its MAPE."""
+    try:
+        fitted = importlib.import_module("scheduler_service.costmodel.fitted")
+    except ImportError:
+        print("no fitted cost model (scheduler_service.costmodel.fitted) installed: fit skipped")
+        return None
+    try:
+        report = fitted.FittedCostModel(profile).fit_report()
+    except ValueError as exc:
+        print(f"fit failed: {exc}")
+        return None
+    coef = ", ".join(f"{k}={v:.3g}" for k, v in report.coefficients.items())
+    swap = f"; swaps MAPE {report.swap_mape:.1%}" if report.swap_mape is not None else ""
+    print(f"fitted cost model: step MAPE {report.mape:.1%} over {len(profile.steps)} samples{swap}")
+    print(f"coefficients (s per unit): {coef}")
+    return report.mape
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sluice profile", description="Measure this worker's step times.")
+    p.add_argument("--model", default="tiny-llama", help="dummy preset name or checkpoint folder")
+    p.add_argument("--load-format", default="dummy", choices=("auto", "dummy", "safetensors"))
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--out", default="profile.json", help="WorkerProfile JSON to write")
+    p.add_argument("--quick", action="store_true", help="a small grid (about a minute on a CPU)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = EngineConfig(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device, block_size=args.block_size
+    )
+    grid = QUICK_GRID if args.quick else FULL_GRID
+    print(f"profiling {config.model} on {config.device} ({torch.get_num_threads()} torch threads): {asdict(grid)}")
+    start = time.perf_counter()
+    engine = LLMEngine(config)
+    profile, skipped = run_profile(engine, grid, args.gpu_memory_utilization, progress=not args.no_progress)
+    profile.save(args.out)
+    for line in skipped:
+        print(f"skipped {line}")
+    print(
+        f"wrote {args.out}: {len(profile.steps)} step and {len(profile.swaps)} swap samples "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
+    report_fit(profile)
+    return 0
