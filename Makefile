@@ -1,21 +1,36 @@
-PY ?= python
-PROTOS := $(wildcard protos/sluice/v1/*.proto)
+# Sluice: `make demo` runs the main job, `make test` runs the tests; both set up .venv first
+# (torch==2.13.0 before the project, so the CPU wheel is used and no CUDA packages come in).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+PYTHON ?= python3
 
-.PHONY: protos lint test sim check-protos
+.PHONY: demo test lint protos install
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[worker,predictor,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+# The main job: the baselines on a slice of the real ShareGPT trace, simulated (table, JSON, plot).
+demo: $(VENV)/.installed
+	$(BIN)/sluice simulate --trace sharegpt --num-requests 500 --rate 1.5 --max-model-len 8192 \
+		--policy vllm --policy vllm_chunked --policy sarathi --policy orca --policy sls \
+		--model llama-2-7b --hardware a100-80g --json sim.json --plot sim.png
+
+# The tests: ruff, then pytest (buf lint runs inside the tests).
+test: $(VENV)/.installed
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/ruff check .
+	PATH="$(abspath $(BIN)):$$PATH" $(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	cd protos && $(abspath $(BIN))/buf lint
+	$(BIN)/ruff check .
 
 # Regenerate the committed gRPC code under sluice/v1/ from protos/.
-protos:
+protos: $(VENV)/.installed
 	$(PY) tools/gen_protos.py
-
-# buf lint (STANDARD + COMMENTS) and ruff.
-lint:
-	cd protos && buf lint
-	ruff check .
-
-# The README's test command.
-test:
-	ruff check . && $(PY) -m pytest -q
-
-# The README's main command: the simulated baseline comparison.
-sim:
-	sluice simulate --trace sharegpt --policy vllm --policy vllm_chunked --policy sarathi --policy orca --policy sls --model llama-2-7b --hardware a100-80g --rate 2 --num-requests 400 --plot sim.png --json sim.json
