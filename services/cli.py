@@ -193,7 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_DELEGATED = {"profile": "worker_service.profiler", "worker": "worker_service.server"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATED:
+        # NOTE: these commands own their flags; argparse.REMAINDER would reject a leading "--flag".
+        import importlib
+
+        return int(importlib.import_module(_DELEGATED[argv[0]]).main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

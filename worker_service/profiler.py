@@ -387,3 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     report_fit(profile)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

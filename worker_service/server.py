@@ -8,9 +8,13 @@ in one dedicated thread (`EngineRunner`), so the event loop keeps answering heal
 and keepalive pings during a long step, and engine calls never interleave even when two
 streams are open. A plan that fails to decode or that the engine rejects (`StepPlanError`)
 is answered with `ExecuteResponse.error` and the stream carries on; any other exception
-means the engine state may be half-applied, so the engine is marked failed: that step and
-later ones are answered UNAVAILABLE and both health services report NOT_SERVING, which
-tells the scheduler to re-queue the worker's requests elsewhere.
+means the engine state may be half-applied, so the engine is marked failed: that step is
+answered INTERNAL, later ones UNAVAILABLE, and both health services report NOT_SERVING,
+which tells the scheduler to re-queue the worker's requests elsewhere.
+
+Warmup sizes the KV cache (measured, or exactly `num_gpu_blocks_override` blocks), builds
+it and runs one real step; request fields left at zero take the worker's flags
+(`WarmupDefaults`). Warming up again starts from a clean slate: held requests are forgotten.
 
 Standard gRPC health: `""` is liveness, `sluice.v1.WorkerService` is readiness (SERVING
 only once Warmup has built the KV cache). Reflection lists both services.
@@ -26,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
@@ -33,10 +38,19 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import StatusCode
 
 from scheduler_service.core.plan import CachedRequestData, NewRequestData, StepPlan, StepResult
 from scheduler_service.core.sampling import InvalidRequestError, SamplingParams
 from scheduler_service.plan_codec import SERVER_OPTIONS, error_result, plan_from_proto, result_to_proto
+from sluice.common.telemetry import (
+    TraceparentTable,
+    grpc_server_interceptors,
+    setup_tracing,
+    shutdown_tracing,
+    step_span,
+    tracing_enabled,
+)
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine, StepPlanError
 
@@ -173,6 +187,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.health = health_servicer
         self.worker_id = worker_id
         self.defaults = defaults
+        self.traceparents = TraceparentTable()  # request id -> W3C traceparent, while tracing
 
     async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.InfoResponse:
         info = self.runner.engine.info
@@ -210,6 +225,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             # NOTE: a scheduler that warms a worker up again (after its own restart) starts
             # from a clean slate; whatever the worker held belongs to the previous session.
             log.warning("warmup forgets the %d requests the worker holds", engine.num_requests)
+        self.traceparents.clear()
+        self.runner.warmed_up = False
+        await self._publish_readiness()
         start = time.perf_counter()
         try:
             num_gpu, num_cpu, peak = await self.runner.call(build_kv_cache, engine, params)
@@ -242,6 +260,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseResponse:
         released = await self.runner.call(self.runner.engine.release, list(request.request_ids))
+        self.traceparents.forget(released)
         return worker_pb2.ReleaseResponse(released_ids=released)
 
     async def Health(
@@ -259,12 +278,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return result_to_proto(error_result(msg.step_id, "UNAVAILABLE", self.runner.not_ready_reason))
         try:
             plan = plan_from_proto(msg, self.worker_id)
-        except InvalidRequestError as exc:
+        except (ValueError, TypeError) as exc:  # InvalidRequestError names the field; others come from the dataclasses
             return result_to_proto(error_result(msg.step_id, "INVALID_ARGUMENT", str(exc)))
-        result = await self._execute(plan)
+        result = await self._execute_traced(plan)
         if result.error is None:
             result = replace(result, total_s=time.perf_counter() - received)
         return result_to_proto(result)
+
+    async def _execute_traced(self, plan: StepPlan) -> StepResult:
+        """The step inside a span linked to the spans of the requests it advances (sluice.common.telemetry);
+        without tracing set up, just the step."""
+        if not tracing_enabled():
+            return await self._execute(plan)
+        self.traceparents.update(((r.request_id, r.traceparent) for r in plan.new_requests), plan.release_ids)
+        with step_span(self.worker_id, plan.step_id, self.traceparents.lookup(plan.num_scheduled_tokens)) as span:
+            span.set_attribute("sluice.step.num_tokens", plan.total_num_scheduled_tokens)
+            result = await self._execute(plan)
+            if result.error is not None:
+                span.set_status(StatusCode.ERROR, f"{result.error.code}: {result.error.message}")
+            return result
 
     async def _execute(self, plan: StepPlan) -> StepResult:
         try:
@@ -298,7 +330,11 @@ def build_server(
     health_servicer = health_servicer or health.aio.HealthServicer()
     runner = EngineRunner(engine)
     servicer = WorkerServicer(runner, health_servicer, worker_id, defaults or WarmupDefaults())
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    # NOTE: the OpenTelemetry interceptor only when tracing is set up (it costs an extra
+    # async-generator hop per streamed message); step spans link to requests either way.
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS, interceptors=grpc_server_interceptors() if tracing_enabled() else None
+    )
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -331,9 +367,12 @@ async def serve(
     worker_id: int = 0,
     defaults: WarmupDefaults | None = None,
     grace_s: float = 5.0,
+    engine_factory: Callable[[EngineConfig], Any] = LLMEngine,
 ) -> None:
-    """Loads the model, serves until SIGINT or SIGTERM, then shuts down gracefully."""
-    engine = await asyncio.to_thread(LLMEngine, config)
+    """Loads the model (or the engine `engine_factory` builds), serves until SIGINT or SIGTERM,
+    then shuts down gracefully."""
+    setup_tracing("sluice-worker")
+    engine = await asyncio.to_thread(engine_factory, config)
     health_servicer = health.aio.HealthServicer()
     server, bound_port = build_server(
         engine, port, host=host, worker_id=worker_id, defaults=defaults, health_servicer=health_servicer
@@ -352,6 +391,7 @@ async def serve(
     await stop.wait()
     print("sluice worker shutting down", flush=True)
     await shutdown(server, health_servicer, grace_s)
+    shutdown_tracing()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -369,6 +409,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-id", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads on CPU (0: torch's default)")
+    p.add_argument(
+        "--engine",
+        default="torch",
+        choices=("torch", "echo", "none"),
+        help="torch: run the model; echo (or none): check plans and answer synthetic tokens at once (load tests)",
+    )
+    p.add_argument("--echo-step-ms", type=float, default=0.0, help="with --engine echo: sleep this long per step")
     return p.parse_args(argv)
 
 
@@ -393,5 +440,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_gpu_blocks=args.num_gpu_blocks,
     )
     log.info("worker config: %s; warmup defaults: %s", config, defaults)
-    asyncio.run(serve(config, args.port, host=args.host, worker_id=args.worker_id, defaults=defaults))
+    factory: Callable[[EngineConfig], Any] = LLMEngine
+    if args.engine in ("echo", "none"):
+        from worker_service.echo_engine import EchoEngine
+
+        factory = partial(EchoEngine, step_time_s=args.echo_step_ms / 1e3)
+    asyncio.run(
+        serve(config, args.port, host=args.host, worker_id=args.worker_id, defaults=defaults, engine_factory=factory)
+    )
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -136,26 +136,29 @@ class Scheduler:
         resumed: list[bool] = []
         computed: list[int] = []
         sample: list[str] = []
-        tables = self.kv.gpu_tables
+        tables, running, known = self.kv.gpu_tables, self.running, self._known
+        sent, replaced = self._sent_blocks, self._table_replaced
         for rid, n in step.scheduled.items():
-            req = self.running[rid]
+            req = running[rid]
             table = tables[rid]
-            if rid not in self._known:
+            size = len(table)
+            if rid not in known:
                 new.append(self._new_request_data(req, table))
-                self._known.add(rid)
-                self._table_replaced.discard(rid)
+                known.add(rid)
+                replaced.discard(rid)
             else:
-                if rid in self._table_replaced:
-                    self._table_replaced.discard(rid)
+                if rid in replaced:
+                    replaced.discard(rid)
                     blocks.append(tuple(table))
                     resumed.append(True)
                 else:
-                    blocks.append(tuple(table[self._sent_blocks[rid] :]))
+                    already = sent[rid]
+                    blocks.append(tuple(table[already:]) if size > already else ())
                     resumed.append(False)
                 ids.append(rid)
                 computed.append(req.num_computed_tokens)
-            self._sent_blocks[rid] = len(table)
-            if req.num_computed_tokens + n >= req.num_tokens:
+            sent[rid] = size
+            if req.num_computed_tokens + n >= req.num_prompt_tokens + req.num_output_tokens:
                 sample.append(rid)
         self._step_id += 1
         releases = tuple(self._pending_releases)
@@ -224,11 +227,10 @@ class Scheduler:
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling
-        if req.num_output_tokens >= sp.min_tokens and (
-            (token in req.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids
-        ):
+        n = req.num_output_tokens
+        if n >= sp.min_tokens and ((token in req.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids):
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if n >= req.max_tokens or req.num_prompt_tokens + n >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -329,6 +331,7 @@ class Scheduler:
         req.worker_id = None
         req.queue_enter_time = now
         self.returned.append(req)
+        self.metrics.num_requests -= 1  # NOTE: counted again where it is placed next, so once in all
         self.policy.on_finished(req, now)
 
     def _finish(self, req: Request, status: RequestStatus, now: float, message: str = "") -> None:

@@ -33,6 +33,8 @@ class StepBuilder:
         self.metadata: dict[str, object] = {}
         self.num_preempted = 0
         self._block_mode = scheduler.policy.allocation_mode in (AllocationMode.BLOCK, AllocationMode.RESERVED)
+        self._tables = scheduler.kv.gpu_tables
+        self._block_size = scheduler.kv.block_size
 
     # Views of the scheduler's sets (ordered: waiting FCFS with preempted at the head,
     # running in admission order).
@@ -84,25 +86,31 @@ class StepBuilder:
         """Advances `request` by `num_tokens` this step. `cover` overrides the token count
         its blocks must hold (e.g. a whole prompt at admission). False: nothing changed."""
         rid = request.request_id
-        if rid in self.scheduled or num_tokens <= 0 or num_tokens > request.num_tokens_to_compute:
+        computed = request.num_computed_tokens
+        to_compute = request.num_prompt_tokens + request.num_output_tokens - computed
+        if num_tokens <= 0 or num_tokens > to_compute or rid in self.scheduled:
             raise ValueError(f"cannot schedule {num_tokens} tokens of {request!r} (already scheduled or too many)")
-        if not self.budget.can_fit(num_tokens):
+        budget = self.budget
+        if budget.num_tokens + num_tokens > budget.max_tokens or budget.num_seqs >= budget.max_seqs:
             return False
-        needed = request.num_computed_tokens + num_tokens
+        needed = computed + num_tokens
         if cover is not None:
             target = max(cover, needed)
         elif self._block_mode:  # NOTE: the hot path (every decode, every step)
             target = needed
         else:
             target = max(self.tokens_to_cover(request, num_tokens), needed)
-        if self.kv.allocate(rid, target, reserve) is None:
+        table = self._tables.get(rid)
+        if (table is None or len(table) * self._block_size < target) and self.kv.allocate(rid, target, reserve) is None:
             self._sched.metrics.kv_alloc_failures += 1
             return False
-        if request.status.is_waiting:
+        status = request.status
+        if status is RequestStatus.WAITING or status is RequestStatus.PREEMPTED_RECOMPUTE:
             self._sched._admit(request, self.now)
-        elif not request.status.is_running:
+        elif status is not RequestStatus.DECODING and status is not RequestStatus.PREFILLING:
             raise ValueError(f"{request!r} is not waiting or running; swap it in or resume it first")
-        self.budget.consume(num_tokens)
+        budget.num_tokens += num_tokens
+        budget.num_seqs += 1
         self.scheduled[rid] = num_tokens
         return True
 

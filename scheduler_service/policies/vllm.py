@@ -69,5 +69,7 @@ class VLLMPolicy(Policy):
         while queue:
             req = queue.popleft()
             n = req.num_tokens_to_compute
+            if step.schedule(req, n):
+                continue
             if not schedule_with_preemption(step, req, n, queue, mode) and not step.budget.can_fit(n):
                 break
