@@ -27,8 +27,9 @@ POLICIES = ["vllm", "vllm_chunked", "sarathi:budget=512", "orca:max_batch_size=2
 
 def build(policy: str, prompts: list[int], outputs: list[int]) -> Scheduler:
     block_size = 16
-    # Room for the 256 running requests and a little more: the waiting queue stays long.
-    num_blocks = 256 * 160
+    # Room for 256 running requests even when each reserves prompt + max_tokens (orca, sls);
+    # the 10,000 waiting prompts still cannot all fit, so the queue stays long.
+    num_blocks = 256 * 520
     kv = KVCacheManager(num_blocks, 4096, block_size)
     ctx = PolicyContext(0, block_size, num_blocks, 4096, 8192, 256, 8192)
     sched = Scheduler(0, kv, build_policy(policy, ctx), SchedulerConfig(256, 8192, 8192, max_waiting=20_000))
@@ -43,9 +44,12 @@ def build(policy: str, prompts: list[int], outputs: list[int]) -> Scheduler:
 def fill_running(sched: Scheduler) -> None:
     now = 0.0
     while len(sched.running) < 256 and sched.waiting:
+        before = len(sched.running)
         plan = sched.schedule(now)
         sched.on_step_result(StepResult(plan.step_id, dict.fromkeys(plan.sample_ids, 1), total_s=0.01), now)
         now += 0.01
+        if len(sched.running) == before and not plan.num_scheduled_tokens:
+            break
 
 
 def measure(policy: str, steps: int, prompts: list[int], outputs: list[int]) -> tuple[float, float, int, int]:

@@ -11,9 +11,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from scheduler_service.core.policy import parse_policy_spec
 from scheduler_service.core.request import Request
 from scheduler_service.registry import Registry
+
+if TYPE_CHECKING:
+    from scheduler_service.costmodel.base import CostModel
 
 
 @dataclass(slots=True)
@@ -26,11 +31,30 @@ class WorkerLoad:
     total_gpu_blocks: int
 
 
+@dataclass(frozen=True, slots=True)
+class RouterContext:
+    """What a router may know about the workers it places on (all workers alike)."""
+
+    block_size: int = 16
+    num_gpu_blocks: int = 0  # per worker; 0 = unknown
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    cost_model: CostModel | None = None
+
+
 class Router(ABC):
     name = "abstract"
 
     def __init__(self) -> None:
         self.held: list[Request] = []
+
+    @classmethod
+    def create(cls, options: dict[str, str], ctx: RouterContext) -> Router:
+        """Builds the router from `name:key=value,...` options; routers without options
+        take none."""
+        if options:
+            raise ValueError(f"router {cls.name!r} takes no options, got {sorted(options)}")
+        return cls()
 
     @abstractmethod
     def select(self, request: Request, loads: Sequence[WorkerLoad], now: float) -> int | None:
@@ -48,6 +72,12 @@ class Router(ABC):
 
 
 ROUTERS: Registry[type[Router]] = Registry("router")
+
+
+def build_router(spec: str, ctx: RouterContext | None = None) -> Router:
+    """`scls:variant=lb,slice_len=64` -> the registered router, built with its options."""
+    name, options = parse_policy_spec(spec)
+    return ROUTERS.get(name).create(options, ctx or RouterContext())
 
 
 def healthy_ids(loads: Sequence[WorkerLoad]) -> list[int]:

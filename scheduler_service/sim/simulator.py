@@ -32,7 +32,7 @@ from scheduler_service.core.sampling import SamplingParams
 from scheduler_service.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_service.core.slo import NO_SLO
 from scheduler_service.costmodel.base import CostModel
-from scheduler_service.router import ROUTERS
+from scheduler_service.router import RouterContext, build_router
 from scheduler_service.sim.executor import SIM_EOS, SimulatedExecutor
 from scheduler_service.sim.workloads.base import TraceRequest, Workload
 
@@ -132,7 +132,8 @@ class Simulation:
             manager = kv.add_worker(w, num_gpu, num_cpu, cfg.block_size)
             schedulers.append(Scheduler(w, manager, build_policy(cfg.policy, ctx), sched_cfg, self.metrics))
         self.kv = kv
-        return Cluster(schedulers, ROUTERS.get(cfg.router)(), self.metrics)
+        router_ctx = RouterContext(cfg.block_size, num_gpu, self.max_model_len, cfg.max_num_seqs, self.cost_model)
+        return Cluster(schedulers, build_router(cfg.router, router_ctx), self.metrics)
 
     def _slo_extras(self) -> dict[str, float]:
         tbt = [r.slo.tbt_s for r in self.workload.requests if r.slo is not None and r.slo.tbt_s is not None]
@@ -213,7 +214,7 @@ class Simulation:
         plan = sched.schedule(now)
         self.metrics.on_schedule_overhead(time.perf_counter() - t0)
         finished = sched.pop_finished()
-        if finished:
+        if finished or sched.returned:  # NOTE: requests a policy handed back go to the router now
             self.cluster.after_step(w, finished, now)
             if bar is not None:
                 bar.update(len(finished))
