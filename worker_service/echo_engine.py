@@ -253,8 +253,12 @@ class _Staged:
 
     def _check_scheduled(self, plan: StepPlan) -> None:
         block_size, max_len = self.engine.config.block_size, self.engine.max_model_len
+        states, live, released = self.states, self.engine.requests, self.released
         for rid, n in plan.num_scheduled_tokens.items():
-            state = self._state(rid, "scheduled")
+            # NOTE: read, not copied: scheduling alone changes no table (the hot path at 256 decodes)
+            state = states.get(rid) or (live.get(rid) if rid not in released else None)
+            if state is None:
+                raise StepPlanError("scheduled: request unknown to the worker", rid)
             end = state.num_computed_tokens + n
             if n < 1 or end > state.num_tokens:
                 raise StepPlanError(f"schedules tokens [{state.num_computed_tokens}, {end}) of {state.num_tokens}", rid)

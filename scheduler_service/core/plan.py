@@ -32,7 +32,8 @@ class NewRequestData:
 
 @dataclass(frozen=True, slots=True)
 class CachedRequestData:
-    """Entry i of every column belongs to request_ids[i]."""
+    """Known requests whose block table changed this step (grew, or was replaced on a
+    swap-in); entry i of every column belongs to request_ids[i]."""
 
     request_ids: tuple[str, ...] = ()
     new_block_ids: tuple[tuple[int, ...], ...] = ()

@@ -146,16 +146,18 @@ class Scheduler:
                 new.append(self._new_request_data(req, table))
                 known.add(rid)
                 replaced.discard(rid)
-            else:
-                if rid in replaced:
-                    replaced.discard(rid)
-                    blocks.append(tuple(table))
-                    resumed.append(True)
-                else:
-                    already = sent[rid]
-                    blocks.append(tuple(table[already:]) if size > already else ())
-                    resumed.append(False)
+            elif rid in replaced:
+                replaced.discard(rid)
                 ids.append(rid)
+                blocks.append(tuple(table))
+                resumed.append(True)
+                computed.append(req.num_computed_tokens)
+            elif size > sent[rid]:
+                # NOTE: only requests whose table grew are listed: a 256-decode step whose
+                # blocks did not change sends no per-request diff at all.
+                ids.append(rid)
+                blocks.append(tuple(table[sent[rid] :]))
+                resumed.append(False)
                 computed.append(req.num_computed_tokens)
             sent[rid] = size
             if req.num_computed_tokens + n >= req.num_prompt_tokens + req.num_output_tokens:

@@ -39,8 +39,8 @@ def test_new_requests_are_sent_once_in_full_then_as_block_diffs() -> None:
     (new,) = plan.new_requests
     assert new.prompt_token_ids == (1, 2, 3, 4, 5, 6) and new.block_ids == (0, 1)
     assert plan.num_scheduled_tokens == {"a": 6} and plan.sample_ids == {"a"}
-    plan, _ = step(sched, 0.1)  # 7th token fits block 1
-    assert not plan.new_requests and plan.cached_requests.new_block_ids == ((),)
+    plan, _ = step(sched, 0.1)  # 7th token fits block 1: the table did not change, no diff
+    assert not plan.new_requests and len(plan.cached_requests) == 0 and plan.num_scheduled_tokens == {"a": 1}
     plan, _ = step(sched, 0.2)  # 8th token
     plan, _ = step(sched, 0.3)  # 9th token needs block 2
     assert plan.cached_requests.request_ids == ("a",) and plan.cached_requests.new_block_ids == ((2,),)
