@@ -1,0 +1,404 @@
+"""`accelgen`: heterogeneous-SLO, multi-resource batching (AccelGen, Shen & Sen, seed 000,
+sections 4.2 to 4.4, Algorithms 1 and 2).
+
+Why choose it: mixed traffic (short chats, 4K-100K-token documents, offline jobs) where each
+request carries its own TTFT / TBT or JCT SLO; it sizes every iteration to the tightest SLO
+in the batch, serves the requests closest to missing theirs first, and fills what is left
+so that both the compute budget and the free KV end up used.
+
+What it does, each iteration (`schedule`):
+1. Ordering (section 4.3, switch `order`): every queued request (waiting, preempted, and
+   each running one, which returns to the queue after every iteration) has a remaining
+   time `T_r = SLO - T_w - N_ck * T_max`, kept as an absolute deadline in a heap index
+   (`accelgen_queue`); offline requests get `T_r = (SLO_JCT - T_e) / (N_ck + S_g)` per
+   iteration with the over/under-use carried forward. Off: FCFS by arrival.
+2. Token budget (section 4.2, switch `chunk`): `S_b = S_pf * SLO_min / T_pf` (Eq. 6), S_pf
+   and T_pf the cost model's pivot forward size, SLO_min the iteration SLO of the first
+   request chosen (the queue is tightest first); tokens are taken until S_f = S_b, a prompt
+   cut where the budget ends continues next iteration; ERA: a new long prompt (>=
+   `long_prompt_tokens`) does not start while another is being prefilled. Off: a fixed
+   budget (`fixed_budget`, Sarathi-style leftover chunks, no ERA).
+3. Batching (section 4.4, switch `batch`): urgent requests (`T_r <= T_max`) go in first in
+   T_r order (equivalent to "all in, then drop the largest T_r while S_f > S_b"); then the
+   non-urgent ones with `T_r <= T_r1 + gamma` become candidates, a prompt too large for the
+   budget is cut to min(fill the budget, fill the free KV), and the candidate nearest to
+   the free (compute, KV) point is added until none fits (`accelgen_select`; KV arithmetic in `accelgen_kv`). Off: the
+   ordered queue fills the budget greedily.
+Late requests: a waiting request that has already waited longer than its SLO cannot meet
+it any more; with `demote_missed` (our addition) it stops being urgent and is served by
+Algorithm 2 after the requests that can still be saved, instead of starving every running
+decode under overload (earliest-deadline-first's domino effect).
+KV pressure: as in the paper's implementation (section 5, "we directly use vLLM to handle
+KVC overflow and preemptions"), only a running request that needs a block preempts; the
+victim is the running request with the largest T_r (recompute by default). A request
+over the compute budget is not preempted: it keeps its KV and waits in the queue.
+Inputs: per-request SLOs, the predicted output length (JCT SLOs; max_tokens when None),
+the cost model (pivot forward size), step durations (T_max).
+Configuration: chunk, order, batch, era, long_prompt_tokens, gamma_s, default_ttft_s,
+default_tbt_s, min_budget, fixed_budget, pivot_tokens, pivot_s, watermark, max_candidates,
+max_scan, watermark, allocate_whole_prompt, demote_missed, preemption_mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_service.core.plan import StepPlan, StepResult
+from scheduler_service.core.policy import POLICIES, Policy, PolicyConfig, PolicyContext
+from scheduler_service.core.preemption import PreemptionReason
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.step_builder import StepBuilder
+from scheduler_service.costmodel.pivot import pivot_forward_size
+from scheduler_service.policies.accelgen_kv import cover_tokens, fits_with_watermark, kv_fit, kv_victim
+from scheduler_service.policies.accelgen_queue import (
+    AccelGenState,
+    DeadlineIndex,
+    RemainingTime,
+    holds_kv,
+    is_offline,
+)
+from scheduler_service.policies.accelgen_select import Candidate, CandidateSet
+from scheduler_service.policies.common import preemption_mode
+
+Entry = tuple[float, int, str]
+_DECODING = RequestStatus.DECODING
+MAX_ADMISSION_MISSES = 4  # waiting requests that failed to get KV before admission stops this step
+
+
+@dataclass
+class AccelGenConfig(PolicyConfig):
+    chunk: bool = True  # SLO-guaranteed dynamic chunking (Eq. 6 budget + ERA); off: fixed budget
+    order: bool = True  # iteration-level SLO-based prioritization; off: FCFS
+    batch: bool = True  # multi-resource-aware batching (Algorithms 1, 2); off: greedy fill
+    era: bool = True  # Exclusive Request Allocation (part of `chunk`)
+    long_prompt_tokens: int = 4096  # a prompt this long is "long" for ERA
+    gamma_s: float = 0.75  # candidate window: T_r <= T_r(first non-urgent) + gamma (section 6.1)
+    default_ttft_s: float = 1.0  # prompt SLO when a request has no TTFT SLO
+    default_tbt_s: float = 0.1875  # TBT SLO when absent (normal reading speed, section 4.3)
+    min_budget: int = 256  # floor of S_b: TTFT SLOs below one iteration's fixed cost would starve it
+    fixed_budget: int = 512  # S_b when `chunk` is off (Sarathi's strict budget)
+    pivot_tokens: int | None = None  # S_pf override (default: the cost model's pivot)
+    pivot_s: float | None = None  # T_pf override
+    max_candidates: int = 256  # candidates per Algorithm 2 window
+    max_scan: int = 2048  # queue entries one step may look at
+    watermark: float = 0.01  # share of GPU blocks new admissions leave free (vLLM's watermark)
+    allocate_whole_prompt: bool = True  # blocks for the whole prompt at its first chunk (vLLM)
+    demote_missed: bool = True  # a waiting request past its SLO is no longer urgent (not in the paper)
+
+
+@dataclass(slots=True)
+class _Round:
+    """The state of one `schedule` call."""
+
+    step: StepBuilder
+    now: float
+    budget_set: bool = False
+    allow_waiting: bool = True
+    misses: int = 0
+    scanned: int = 0
+    deferred: list[Entry] = field(default_factory=list)
+
+
+@POLICIES.register("accelgen")
+class AccelGenPolicy(Policy):
+    name = "accelgen"
+    config_cls = AccelGenConfig
+    config: AccelGenConfig
+
+    def __init__(self, config: AccelGenConfig, ctx: PolicyContext) -> None:
+        super().__init__(config, ctx)
+        self.pivot_tokens, self.pivot_s = self._pivot()
+        self.rt = RemainingTime(self.pivot_s, self.pivot_tokens, config.default_ttft_s, config.default_tbt_s)
+        self.index = DeadlineIndex()
+        self.long_active: set[str] = set()
+        self._batch: list[Request] = []
+        self._chunks: list[int] = []
+        self._mode = preemption_mode(config)
+
+    def _pivot(self) -> tuple[int, float]:
+        c = self.config
+        if c.pivot_tokens and c.pivot_s:
+            return c.pivot_tokens, c.pivot_s
+        if self.ctx.cost_model is not None:
+            return pivot_forward_size(self.ctx.cost_model)
+        return self.ctx.max_num_batched_tokens, c.default_tbt_s
+
+    # ------------------------------------------------------------------ budget (Eq. 6)
+    def budget_for(self, slo_min_s: float) -> int:
+        """S_b for a batch whose tightest iteration SLO is `slo_min_s`."""
+        cap = self.ctx.max_num_batched_tokens
+        if not self.config.chunk:
+            return min(self.config.fixed_budget, cap)
+        s_b = int(self.pivot_tokens * slo_min_s / self.pivot_s)
+        return max(min(self.config.min_budget, cap), min(s_b, cap))
+
+    def _fix_budget(self, r: _Round, slo_s: float) -> None:
+        """The first chosen request fixes SLO_min (queue tightest first); under FCFS a later,
+        tighter request lowers it again (section 4.2)."""
+        budget = r.step.budget
+        if not r.budget_set:
+            budget.max_tokens = self.budget_for(slo_s)
+            r.budget_set = True
+        elif not self.config.order:
+            budget.max_tokens = max(budget.num_tokens, min(budget.max_tokens, self.budget_for(slo_s)))
+
+    # ------------------------------------------------------------------ queue entries
+    def _enqueue(self, req: Request, t0: float | None) -> None:
+        state: AccelGenState = req.policy_state
+        if t0 is not None:
+            state.t0 = t0
+        state.late = False
+        if is_offline(req) and state.jct is not None:
+            state.deadline = state.t0 + state.jct.allowed_s
+            state.slo_end = float("inf")
+        else:
+            state.deadline = state.t0 + self.rt.online_remaining(req)
+            state.slo_end = state.t0 + self.rt.iteration_slo(req)
+        key = state.deadline if self.config.order else req.arrival_time
+        self.index.push(req.request_id, state, key, holds_kv(req))
+
+    def _new_jct_budget(self, req: Request, now: float) -> None:
+        if is_offline(req):
+            slo_left = req.arrival_time + float(req.slo.jct_s or 0.0) - now
+            req.policy_state.jct = self.rt.jct_budget(req, slo_left)
+
+    def on_arrival(self, request: Request, now: float) -> None:
+        request.policy_state = AccelGenState(request, now)
+        self._new_jct_budget(request, now)
+        self._enqueue(request, now)
+
+    def on_preempted(self, request: Request, now: float) -> None:
+        self.rt.observe_preemption()
+        self.long_active.discard(request.request_id)
+        request.policy_state.preempted_at = now
+        self._new_jct_budget(request, now)
+        self._enqueue(request, now)
+
+    def on_finished(self, request: Request, now: float) -> None:
+        self.index.drop(request.request_id)
+        self.long_active.discard(request.request_id)
+
+    def on_step_result(self, plan: StepPlan, result: StepResult, now: float) -> None:
+        self.rt.observe_step(result.total_s, self._chunks, len(result.sampled_token_ids))
+        for req in self._batch:
+            if not req.status.is_running:
+                continue  # finished (already dropped) or preempted (already re-queued)
+            if req.is_prefill:
+                self._enqueue(req, req.policy_state.t0 if not is_offline(req) else now)
+            else:
+                self.long_active.discard(req.request_id)
+                self._enqueue(req, now)  # a returned TG task: its clock restarts at its token
+        self._batch = []
+        self._chunks = []
+
+    # ------------------------------------------------------------------ one iteration
+    def schedule(self, step: StepBuilder, now: float) -> None:
+        self._batch = []
+        self._chunks = []
+        r = _Round(step, now, allow_waiting=len(step.running) < self.ctx.max_num_seqs)
+        first_non_urgent = self._take_urgent(r, include_late=False)
+        if self._has_room(r) and not self.config.batch:
+            self._take_urgent(r, include_late=True)  # greedy fill goes on into the late requests
+        elif self._has_room(r):
+            if first_non_urgent is None:
+                first_non_urgent = self.index.pop(r.allow_waiting, include_late=True)
+            if first_non_urgent is not None:
+                self._select_requests(r, first_non_urgent)
+        elif first_non_urgent is not None:
+            r.deferred.append(first_non_urgent)
+        if not step.scheduled and r.deferred:
+            self._ensure_progress(r)
+        for entry in r.deferred:
+            self.index.restore(entry)
+        step.metadata["accelgen_budget"] = step.budget.max_tokens
+
+    def _ensure_progress(self, r: _Round) -> None:
+        """Nothing fit (every candidate needs a block and none is free): the first request
+        in queue order that can run, preempting for KV as Algorithm 1 does, runs."""
+        r.deferred.sort()
+        for i, entry in enumerate(r.deferred):
+            state = self.index.states.get(entry[2])
+            if state is not None and state.seq == entry[1] and self._take(r, state.request):
+                del r.deferred[i]
+                return
+
+    def _is_urgent(self, state: AccelGenState, now: float) -> bool:
+        return state.deadline - now <= self.rt.t_max_s
+
+    @staticmethod
+    def _has_room(r: _Round) -> bool:
+        return not r.budget_set or r.step.budget.remaining_tokens > 0
+
+    def _take_urgent(self, r: _Round, include_late: bool) -> Entry | None:
+        """Algorithm 1, lines 1-4 (all of the queue when `batch` is off): returns the first
+        entry left for Algorithm 2, or None."""
+        in_phase_one = not self.config.batch or self.config.order
+        while r.scanned < self.config.max_scan:
+            entry = self.index.pop(r.allow_waiting, include_late)
+            if entry is None:
+                return None
+            r.scanned += 1
+            state = self.index.states[entry[2]]
+            late = not state.holds_kv and not state.late and r.now > state.slo_end
+            if self.config.demote_missed and late:
+                self.index.demote(entry)
+                continue
+            if not in_phase_one or (self.config.batch and not self._is_urgent(state, r.now)):
+                return entry
+            if not self._take(r, state.request):
+                r.deferred.append(entry)
+            if r.budget_set and r.step.budget.remaining_tokens <= 0:
+                return None
+        return None
+
+    def _take(self, r: _Round, req: Request) -> bool:
+        """Adds `req` with as many tokens as the budget leaves (a prompt is cut there)."""
+        hot = req.status is _DECODING and r.budget_set and self.config.order and req.policy_state.jct is None
+        if hot and r.step.schedule(req, 1):  # NOTE: the hot path, a returned TG task (every decode, every step)
+            self._batch.append(req)
+            return True
+        if not self._admissible(r, req):
+            return False
+        self._fix_budget(r, self.rt.iteration_slo(req))
+        n = min(req.num_tokens_to_compute, r.step.budget.remaining_tokens)
+        if n <= 0:
+            return False
+        return self._schedule(r, req, n)
+
+    def _admissible(self, r: _Round, req: Request) -> bool:
+        """Seats, ERA and the admission-miss limit; swapped requests come back first."""
+        step = r.step
+        if req.status.is_waiting and len(step.running) >= self.ctx.max_num_seqs:
+            r.allow_waiting = False
+            return False
+        if self._era_blocks(req):
+            return False
+        if req.status is RequestStatus.PREEMPTED_SWAPPED and not step.swap_in(req):
+            self._miss(r)
+            return False
+        return True
+
+    def _era_blocks(self, req: Request) -> bool:
+        if not (self.config.chunk and self.config.era) or req.num_computed_tokens or not req.is_prefill:
+            return False
+        if req.prefill_len < self.config.long_prompt_tokens:
+            return False
+        return any(rid != req.request_id for rid in self.long_active)
+
+    def _miss(self, r: _Round) -> None:
+        r.misses += 1
+        if r.misses >= MAX_ADMISSION_MISSES:
+            r.allow_waiting = False
+
+    def _schedule(self, r: _Round, req: Request, n: int) -> bool:
+        step = r.step
+        waiting = req.status.is_waiting
+        if not waiting and req.is_prefill:
+            n = min(n, max(kv_fit(step.kv, req, self.config.watermark), 1))  # a chunk that fits beats a preemption
+        cover = cover_tokens(req, n, self.config.allocate_whole_prompt)
+        if waiting and not fits_with_watermark(step.kv, req, cover, self.config.watermark):
+            self._miss(r)
+            return False
+        while not step.schedule(req, n, cover=cover):
+            if waiting or not step.budget.can_fit(n):
+                if waiting:
+                    self._miss(r)
+                return False
+            victim = kv_victim(step, req, self.config.order)
+            step.preempt(victim or req, self._mode, PreemptionReason.KV_PRESSURE)
+            if victim is None:
+                return False
+        self._scheduled(r, req, n)
+        return True
+
+    def _scheduled(self, r: _Round, req: Request, n: int) -> None:
+        state: AccelGenState = req.policy_state
+        if state.preempted_at is not None:
+            self.rt.observe_preemption_length(r.now - state.preempted_at)
+            state.preempted_at = None
+        if state.jct is not None:
+            state.jct.record_wait(r.now - state.t0)
+        if req.is_prefill:
+            self._chunks.append(n)
+            if req.prefill_len >= self.config.long_prompt_tokens:
+                self.long_active.add(req.request_id)
+        self._batch.append(req)
+
+    # ------------------------------------------------------------------ Algorithm 2
+    def _select_requests(self, r: _Round, first: Entry) -> None:
+        """Windows of candidates (T_r within T_r1 + gamma), each filled by the Euclidean
+        rule, until the budget or the KV is used up or the scan limit is reached."""
+        step = r.step
+        nxt: Entry | None = first
+        while nxt is not None and r.scanned < self.config.max_scan:
+            window, nxt = self._window(r, nxt)
+            if not r.budget_set:
+                self._fix_budget(r, min(self.rt.iteration_slo(self.index.states[e[2]].request) for e in window))
+            cands = self._candidates(r, window)
+            picked = self._fill(r, cands)
+            r.deferred.extend(c.entry for c in cands.leftovers())
+            if not picked or step.budget.remaining_tokens <= 0 or self._free_kv_tokens(step) <= 0:
+                break  # NOTE: a window where nothing fits ends the search (the next ones are less urgent)
+        if nxt is not None:
+            r.deferred.append(nxt)
+
+    def _window(self, r: _Round, first: Entry) -> tuple[list[Entry], Entry | None]:
+        window = [first]
+        limit = first[0] + self.config.gamma_s
+        while len(window) < self.config.max_candidates and r.scanned < self.config.max_scan:
+            entry = self.index.pop(r.allow_waiting, include_late=True)
+            if entry is None:
+                return window, None
+            r.scanned += 1
+            if self.config.order and entry[0] > limit:
+                return window, entry
+            window.append(entry)
+        return window, None
+
+    def _free_kv_tokens(self, step: StepBuilder) -> int:
+        """A_m: unallocated KV in tokens (the watermark binds only new admissions)."""
+        return step.kv.gpu.num_available() * step.kv.block_size
+
+    def _candidates(self, r: _Round, window: list[Entry]) -> CandidateSet:
+        """Demand points (D_c, D_m); a prompt larger than the budget left is cut to
+        min(fill the budget, fill the free KV) (Algorithm 2, lines 4-6)."""
+        step = r.step
+        kv = step.kv
+        a_c = step.budget.remaining_tokens
+        a_m = self._free_kv_tokens(step)
+        cands = CandidateSet()
+        for entry in window:
+            req = self.index.states[entry[2]].request
+            if (req.status.is_waiting and len(step.running) >= self.ctx.max_num_seqs) or self._era_blocks(req):
+                r.deferred.append(entry)
+                continue
+            n = req.num_tokens_to_compute
+            if req.is_prefill and n > a_c:
+                n = min(n, a_c, kv.capacity(req.request_id) + a_m - req.num_computed_tokens)
+            if n <= 0:
+                r.deferred.append(entry)
+                continue
+            d_m = (
+                kv.num_new_blocks(req.request_id, cover_tokens(req, n, self.config.allocate_whole_prompt))
+                * kv.block_size
+            )
+            if req.status is RequestStatus.PREEMPTED_SWAPPED:
+                d_m += len(kv.cpu_tables.get(req.request_id, ())) * kv.block_size
+            cands.add(Candidate(req, entry, n, d_m), is_decode=not req.is_prefill)
+        return cands
+
+    def _fill(self, r: _Round, cands: CandidateSet) -> int:
+        """Adds the nearest fitting candidate until none fits; returns how many were added."""
+        step = r.step
+        picked = 0
+        while step.budget.remaining_tokens > 0:
+            a_c = step.budget.remaining_tokens
+            pick, _ = cands.nearest(a_c, self._free_kv_tokens(step))
+            if pick is None:
+                break
+            req = pick.request
+            if self._admissible(r, req) and self._schedule(r, req, min(pick.tokens, a_c)):
+                picked += 1
+            else:
+                r.deferred.append(pick.entry)
+        return picked

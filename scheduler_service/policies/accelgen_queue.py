@@ -1,0 +1,198 @@
+"""AccelGen's remaining-time arithmetic and its queue index (seed 000, section 4.3).
+
+Data flow: a request enters the queue (arrival, preemption, or return from an iteration)
+-> `RemainingTime` turns its iteration SLO into an absolute deadline, `deadline = t0 + T_r`
+with `T_r = SLO - T_e` at entry (T_w is 0 then; later `T_r(now) = deadline - now`, which is
+exactly `SLO - T_w - T_e`) -> `DeadlineIndex` keeps one heap per kind of request (holding
+GPU KV: running; not holding it: waiting, preempted, swapped) keyed by that deadline, so
+`schedule()` pops only the heads it looks at: O(log n) per event, never a sort of 10,000.
+A waiting request found past its SLO (it waited longer than the SLO itself: that token is
+lost whatever happens) moves to a third heap, so it cannot crowd out requests that can
+still be saved. A request's entry is replaced, never edited: the old one goes stale (its sequence number
+no longer matches) and is skipped when it reaches the top.
+
+Offline requests (a JCT SLO only) get a per-iteration allowed wait instead of an SLO:
+`T_e = N_ck * T_max + S_g * (T_max + P_max * P)` and `T_r = (SLO_JCT - T_e) / (N_ck + S_g)`;
+what an iteration over- or under-uses is carried into the next (`JCTBudget`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from scheduler_service.core.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class JCTBudget:
+    """Per-iteration allowed wait of an offline request, with the carry of section 4.3:
+    finishing d later than allowed leaves T_r - d for the next iteration, d earlier T_r + d."""
+
+    base_s: float  # (SLO_JCT - T_e) / (N_ck + S_g), fixed when the request enters the queue
+    carry_s: float = 0.0  # cumulative under-use (+) or over-use (-) so far
+
+    @property
+    def allowed_s(self) -> float:
+        return self.base_s + self.carry_s
+
+    def record_wait(self, waited_s: float) -> None:
+        """The request waited `waited_s` this iteration: carry the difference forward."""
+        self.carry_s = self.allowed_s - waited_s
+
+
+@dataclass(slots=True)
+class AccelGenState:
+    """The policy's slot on a Request."""
+
+    request: Request
+    t0: float  # when it last entered the queue (the iteration clock's start)
+    deadline: float = 0.0  # t0 + T_r at entry
+    slo_end: float = 0.0  # t0 + its iteration SLO: past it the SLO is already missed
+    late: bool = False  # a waiting request whose SLO was missed, in the late heap
+    seq: int = -1  # sequence number of its live heap entry (-1: none)
+    holds_kv: bool = False  # which heap the live entry is in
+    jct: JCTBudget | None = None
+    preempted_at: float | None = None
+
+
+class RemainingTime:
+    """T_r and its inputs: T_max (largest batch time seen), L_c (average chunk length),
+    P_max (longest preemption seen) and P (preemptions per generated token)."""
+
+    def __init__(self, t_max_prior_s: float, chunk_prior: int, default_ttft_s: float, default_tbt_s: float) -> None:
+        self.t_max_s = t_max_prior_s
+        self.default_ttft_s = default_ttft_s
+        self.default_tbt_s = default_tbt_s
+        self._chunk_sum = float(chunk_prior)
+        self._chunk_count = 1
+        self.p_max_s = 0.0
+        self._preemptions = 0
+        self._tokens = 0
+
+    # ------------------------------------------------------------------ observations
+    def observe_step(self, total_s: float, chunk_sizes: list[int], num_tokens: int) -> None:
+        self.t_max_s = max(self.t_max_s, total_s)
+        for n in chunk_sizes:
+            self._chunk_sum += n
+            self._chunk_count += 1
+        self._tokens += num_tokens
+
+    def observe_preemption(self) -> None:
+        self._preemptions += 1
+
+    def observe_preemption_length(self, seconds: float) -> None:
+        self.p_max_s = max(self.p_max_s, seconds)
+
+    @property
+    def avg_chunk(self) -> float:
+        return self._chunk_sum / self._chunk_count
+
+    @property
+    def preempt_prob(self) -> float:
+        return self._preemptions / self._tokens if self._tokens else 0.0
+
+    # ------------------------------------------------------------------ formulas
+    def iteration_slo(self, request: Request) -> float:
+        """TTFT SLO for its prompt, TBT SLO for each later token (defaults when absent)."""
+        slo = request.slo
+        if request.num_output_tokens == 0:
+            return slo.ttft_s if slo.ttft_s is not None else self.default_ttft_s
+        return slo.tbt_s if slo.tbt_s is not None else self.default_tbt_s
+
+    def num_chunks(self, request: Request) -> int:
+        """N_ck = ceil(S_r / L_c) for a prompt (or its rest), 1 for a decode."""
+        remaining = request.num_prefill_remaining
+        return max(1, math.ceil(remaining / self.avg_chunk)) if remaining else 1
+
+    def online_remaining(self, request: Request) -> float:
+        """T_r at entry (T_w = 0): SLO - N_ck * T_max."""
+        return self.iteration_slo(request) - self.num_chunks(request) * self.t_max_s
+
+    def jct_budget(self, request: Request, slo_left_s: float) -> JCTBudget:
+        """Allowed wait per iteration of an offline request with `slo_left_s` of its JCT SLO left."""
+        n_ck = self.num_chunks(request) if request.is_prefill else 0
+        s_g = request.remaining_output_estimate
+        t_e = n_ck * self.t_max_s + s_g * (self.t_max_s + self.p_max_s * self.preempt_prob)
+        return JCTBudget((slo_left_s - t_e) / (n_ck + s_g))
+
+
+def is_offline(request: Request) -> bool:
+    slo = request.slo
+    return slo.jct_s is not None and slo.ttft_s is None and slo.tbt_s is None
+
+
+def holds_kv(request: Request) -> bool:
+    return request.status.is_running or request.status is RequestStatus.PREEMPTED_KEPT
+
+
+WAITING, RUNNING, LATE = 0, 1, 2
+
+
+class DeadlineIndex:
+    """Three heaps of (key, seq, request id): requests holding GPU KV, waiting ones, and
+    waiting ones whose SLO is already missed (late); the key is the deadline (SLO order) or
+    the arrival time (FCFS, the /Order ablation)."""
+
+    def __init__(self) -> None:
+        self._heaps: tuple[list[tuple[float, int, str]], ...] = ([], [], [])
+        self._seq = 0
+        self.states: dict[str, AccelGenState] = {}
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    @staticmethod
+    def _heap_of(state: AccelGenState) -> int:
+        if state.holds_kv:
+            return RUNNING
+        return LATE if state.late else WAITING
+
+    def push(self, rid: str, state: AccelGenState, key: float, kv: bool) -> None:
+        self._seq += 1
+        state.seq = self._seq
+        state.holds_kv = kv
+        self.states[rid] = state
+        heapq.heappush(self._heaps[self._heap_of(state)], (key, self._seq, rid))
+
+    def demote(self, entry: tuple[float, int, str]) -> None:
+        """Moves a popped waiting entry to the late heap (same key)."""
+        state = self.states[entry[2]]
+        state.late = True
+        self.push(entry[2], state, entry[0], False)
+
+    def restore(self, entry: tuple[float, int, str]) -> None:
+        """Puts back an entry popped by `pop` and not used (stale ones vanish on their own)."""
+        state = self.states.get(entry[2])
+        if state is not None and state.seq == entry[1]:
+            heapq.heappush(self._heaps[self._heap_of(state)], entry)
+
+    def drop(self, rid: str) -> AccelGenState | None:
+        state = self.states.pop(rid, None)
+        if state is not None:
+            state.seq = -1
+        return state
+
+    def peek(self, which: int) -> tuple[float, int, str] | None:
+        heap = self._heaps[which]
+        states = self.states
+        while heap:
+            _key, seq, rid = heap[0]
+            state = states.get(rid)
+            if state is not None and state.seq == seq:
+                return heap[0]
+            heapq.heappop(heap)
+        return None
+
+    def pop(self, allow_waiting: bool, include_late: bool = False) -> tuple[float, int, str] | None:
+        """The entry with the smallest key over the heaps asked for (KV holders always;
+        waiting ones when `allow_waiting`; late ones too when `include_late`)."""
+        best = self.peek(RUNNING)
+        best_heap = RUNNING
+        if allow_waiting:
+            for h in (WAITING, LATE) if include_late else (WAITING,):
+                top = self.peek(h)
+                if top is not None and (best is None or top < best):
+                    best, best_heap = top, h
+        return None if best is None else heapq.heappop(self._heaps[best_heap])
