@@ -1,0 +1,284 @@
+"""Multi-level priority queues with iteration-level preemption: the machinery `alise` and
+`fastserve` share (ALISE, seed 003, section 3.1; FastServe's skip-join MLFQ).
+
+Why: both policies rank every unfinished job by (queue level, key within the level) and
+each iteration run the best-ranked jobs that fit, pausing the others; only the ranking
+(predicted remaining time vs. time of entering the level) and the per-level rules (aging,
+quanta) differ, so those stay in the policies and the walk lives here.
+
+How data flows:
+
+    arrival / recompute preemption ──> LevelQueues (a heap per level, lazy deletion)
+    running + kept + swapped (hold KV) ──> ranked each step (a few hundred at most)
+    schedule(): merge the two in rank order ──> run each job that fits (seats, tokens, KV)
+       KV short: evict the lowest-ranked GPU holder not yet reached (swap or recompute);
+       `defer` never evicts for a new job: it waits
+    running but not run this step ──> preempted KEEP (KV stays on the GPU, paused)
+
+Waiting jobs (no KV) sit in the heaps with static keys, so a step pops only the heads it
+admits or skips: O((batch + KV jobs) log n), never a sort of the whole queue.
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import abstractmethod
+from collections import deque
+from dataclasses import dataclass
+from enum import StrEnum
+
+from scheduler_service.core.policy import Policy, PolicyConfig, PolicyContext
+from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.step_builder import StepBuilder
+
+# NOTE: a waiting head whose prompt does not fit the step's leftover tokens is set aside;
+# after this many the walk stops looking at waiting jobs for this step (bounds the pops).
+MAX_SKIPPED_WAITING = 32
+
+Rank = tuple[int, float, int]
+Victims = deque[tuple[Rank, Request]]  # GPU holders ranked below the current job, worst at the right
+
+
+class MemoryMode(StrEnum):
+    SWAP = "swap"  # evicted KV goes to CPU (ALISE's manager, FastServe)
+    RECOMPUTE = "recompute"  # evicted KV is dropped and prefilled again later (ALISE strawman)
+    DEFER = "defer"  # no eviction for new jobs: they wait for memory (ALISE strawman)
+
+
+@dataclass(slots=True)
+class JobState:
+    """Per-request state of a queue policy (kept in `Request.policy_state`)."""
+
+    level: int
+    key: float  # order inside the level, smaller first
+    seq: int  # tie-break: order of (re)queueing
+    clock: float  # when its aging clock last restarted (served, or promoted)
+    version: int = 0  # bumped to invalidate heap entries
+    in_heap: bool = False
+    weight: float = 0.0  # what it adds to its level's sum while waiting (ALISE: remaining time)
+    predicted: int = 0  # ALISE: predicted output tokens (doubled on misprediction)
+    attained: float = 0.0  # FastServe: service received in the current level
+
+
+class LevelQueues:
+    """One heap per level of the waiting (KV-less) jobs, with per-level counts and sums."""
+
+    def __init__(self, num_levels: int) -> None:
+        self.heaps: list[list[tuple[float, int, int, Request]]] = [[] for _ in range(num_levels)]
+        self.counts = [0] * num_levels
+        self.sums = [0.0] * num_levels
+
+    def __len__(self) -> int:
+        return sum(self.counts)
+
+    def push(self, req: Request) -> None:
+        st: JobState = req.policy_state
+        if st.in_heap:
+            self.discard(req)
+        st.version += 1
+        st.in_heap = True
+        heapq.heappush(self.heaps[st.level], (st.key, st.seq, st.version, req))
+        self.counts[st.level] += 1
+        self.sums[st.level] += st.weight
+
+    def discard(self, req: Request) -> None:
+        """Takes a job out (lazily: its heap entry goes stale)."""
+        st: JobState = req.policy_state
+        if not st.in_heap:
+            return
+        st.in_heap = False
+        st.version += 1
+        self.counts[st.level] -= 1
+        self.sums[st.level] -= st.weight
+
+    def peek(self) -> Request | None:
+        for heap in self.heaps:
+            while heap:
+                _, _, version, req = heap[0]
+                st: JobState = req.policy_state
+                if st.in_heap and st.version == version:
+                    return req
+                heapq.heappop(heap)
+        return None
+
+    def pop(self) -> Request | None:
+        req = self.peek()
+        if req is not None:
+            heapq.heappop(self.heaps[req.policy_state.level])
+            self.discard(req)
+        return req
+
+
+@dataclass
+class QueuePolicyConfig(PolicyConfig):
+    memory: str = "swap"  # swap | recompute | defer: what happens when GPU KV is short
+    watermark: float = 0.01  # share of GPU blocks a new job's prompt must leave free
+
+
+class QueuePolicy(Policy):
+    """Iteration-level preemptive scheduling over ranked levels; subclasses rank jobs."""
+
+    config: QueuePolicyConfig
+
+    def __init__(self, config: PolicyConfig, ctx: PolicyContext, num_levels: int) -> None:
+        super().__init__(config, ctx)
+        self.memory = MemoryMode(self.config.memory)
+        self.num_levels = num_levels
+        self.queues = LevelQueues(num_levels)
+        self.jobs: dict[str, Request] = {}  # every unfinished job on this worker
+        self.ranked: list[tuple[Rank, Request]] = []  # this step's KV holders in rank order
+        self.admitted: list[Request] = []  # waiting jobs this step admitted
+        self._seq = 0
+
+    # ------------------------------------------------------------------ ranking
+    @abstractmethod
+    def rank(self, req: Request) -> Rank:
+        """(level, key, seq) of a job now; smaller runs first."""
+
+    @staticmethod
+    def filed_rank(req: Request) -> Rank:
+        """The rank a waiting job was filed with (its key is static while it waits)."""
+        st: JobState = req.policy_state
+        return (st.level, st.key, st.seq)
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # ------------------------------------------------------------------ hooks
+    def on_preempted(self, request: Request, now: float) -> None:
+        if request.status is RequestStatus.PREEMPTED_RECOMPUTE:
+            self.requeue(request)
+
+    def on_finished(self, request: Request, now: float) -> None:
+        if isinstance(request.policy_state, JobState):
+            self.queues.discard(request)
+        self.jobs.pop(request.request_id, None)
+
+    def requeue(self, req: Request) -> None:
+        """(Re)files a KV-less job in its level's heap with a fresh key and weight."""
+        st: JobState = req.policy_state
+        self.queues.discard(req)
+        st.key = self.rank(req)[1]
+        st.weight = self.weight(req)
+        self.queues.push(req)
+
+    def weight(self, req: Request) -> float:
+        """What a waiting job adds to its level's sum (ALISE: its remaining time)."""
+        return 0.0
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self, step: StepBuilder, now: float) -> None:
+        self.before_step(step, now)
+        self.fill_batch(step)
+        for req in [r for r in step.running.values() if not step.is_scheduled(r)]:
+            step.preempt(req, PreemptionMode.KEEP, PreemptionReason.PRIORITY)
+        self.after_batch(step, now)
+
+    def before_step(self, step: StepBuilder, now: float) -> None:
+        """Level changes that do not depend on the batch (aging)."""
+
+    def after_batch(self, step: StepBuilder, now: float) -> None:
+        """Memory moves once the batch is fixed (ALISE's Algorithm 2)."""
+
+    def ranked_kv_jobs(self, step: StepBuilder) -> list[tuple[Rank, Request]]:
+        rank = self.rank
+        jobs = [(rank(r), r) for group in (step.running, step.kept, step.swapped) for r in group.values()]
+        jobs.sort(key=_first)
+        return jobs
+
+    def fill_batch(self, step: StepBuilder) -> None:
+        """Runs jobs in rank order (KV holders and waiting heads merged) while seats and
+        tokens last; lower-ranked GPU holders are the eviction victims (deque's right end)."""
+        self.ranked = self.ranked_kv_jobs(step)
+        self.admitted = []
+        kv_jobs: Victims = deque(self.ranked)
+        skipped: list[Request] = []
+        budget = step.budget
+        waiting_open = True
+        while budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
+            head = self.queues.peek() if waiting_open else None
+            if kv_jobs and (head is None or kv_jobs[0][0] <= self.filed_rank(head)):
+                self._run_kv_job(step, kv_jobs.popleft()[1], kv_jobs)
+                continue
+            if head is None:
+                break
+            self.queues.pop()
+            verdict = self._admit(step, head, kv_jobs)
+            if verdict and step.is_scheduled(head):
+                self.admitted.append(head)
+            elif verdict is None:  # memory short and new jobs must wait (defer)
+                skipped.append(head)
+                waiting_open = False
+            elif not verdict:
+                skipped.append(head)
+                waiting_open = len(skipped) < MAX_SKIPPED_WAITING
+        for req in skipped:
+            if req.status.is_waiting:
+                self.queues.push(req)
+
+    def _run_kv_job(self, step: StepBuilder, req: Request, victims: Victims) -> None:
+        n = req.num_tokens_to_compute
+        status = req.status
+        if (status is RequestStatus.DECODING or status is RequestStatus.PREFILLING) and step.schedule(req, n):
+            return  # NOTE: the hot path: a running job whose blocks are there
+        if not step.budget.can_fit(n):
+            return
+        kv = step.kv
+        target = req.num_computed_tokens + n
+        swapped = status is RequestStatus.PREEMPTED_SWAPPED
+        need = kv.num_blocks_for(target) if swapped else kv.num_new_blocks(req.request_id, target)
+        if need and not self._make_room(step, need, victims, new_job=False):
+            return
+        if swapped:
+            if not step.swap_in(req):
+                return
+        elif status is RequestStatus.PREEMPTED_KEPT:
+            step.resume(req)
+        step.schedule(req, n)
+
+    def _admit(self, step: StepBuilder, req: Request, victims: Victims) -> bool | None:
+        """Admits a waiting job with its whole prompt (hybrid batch, no chunking).
+        False: it does not fit this step; None: memory is short and it must wait."""
+        n = req.num_tokens_to_compute
+        if n > step.budget.max_tokens:
+            step.finish(req, RequestStatus.FINISHED_REJECTED, f"prompt_too_long: {n} tokens exceed the token budget")
+            return True
+        if not step.budget.can_fit(n):
+            return False
+        kv = step.kv
+        need = kv.num_blocks_for(req.num_tokens) + int(self.config.watermark * kv.gpu.num_blocks)
+        if need > kv.gpu.num_blocks:
+            step.finish(req, RequestStatus.FINISHED_REJECTED, "unschedulable: prompt needs more KV than the worker has")
+            return True
+        if not self._make_room(step, need, victims, new_job=True):
+            return None if self.memory is MemoryMode.DEFER else False
+        return step.schedule(req, n, cover=req.num_tokens)
+
+    def _make_room(self, step: StepBuilder, need_blocks: int, victims: Victims, *, new_job: bool) -> bool:
+        """Evicts lower-ranked GPU holders until `need_blocks` are free; `defer` evicts
+        nothing for a new job."""
+        gpu = step.kv.gpu
+        while gpu.num_available() < need_blocks:
+            if (new_job and self.memory is MemoryMode.DEFER) or not self._evict_one(step, victims):
+                return False
+        return True
+
+    def _evict_one(self, step: StepBuilder, victims: Victims) -> bool:
+        while victims:
+            victim = victims.pop()[1]
+            if victim.status is RequestStatus.PREEMPTED_SWAPPED:
+                continue  # holds no GPU blocks
+            step.preempt(victim, self.evict_mode(), PreemptionReason.KV_PRESSURE)
+            return True
+        return False
+
+    def evict_mode(self) -> PreemptionMode:
+        # NOTE: defer keeps running jobs alive, but a decode that needs a block when none
+        # is free must take one from somewhere: it recomputes the lowest-ranked, as vLLM does.
+        return PreemptionMode.SWAP if self.memory is MemoryMode.SWAP else PreemptionMode.RECOMPUTE
+
+
+def _first(item: tuple[Rank, Request]) -> Rank:
+    return item[0]

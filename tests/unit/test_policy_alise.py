@@ -1,0 +1,223 @@
+"""ALISE (seed 003, section 3) makes the decisions its paper describes: shortest predicted
+remaining time first with iteration-level preemption, virtual aging, doubling on
+misprediction, EWT-driven swapping (Algorithm 2) and the Recompute / Defer strawmen.
+Every test ends with the leak check."""
+
+from __future__ import annotations
+
+import math
+
+from harness import make_request, make_scheduler, run_to_completion, step
+
+from scheduler_service.core.plan import KVMoveKind, StepPlan
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.policies.alise import AlisePolicy, ExecTimeModel
+from scheduler_service.policies.alise_queues import JobState
+
+
+def predicted(rid: str, prompt: int, output: int, guess: int | None = None, arrival: float = 0.0) -> Request:
+    """A request whose length source predicts `guess` (the oracle by default)."""
+    req = make_request(rid, prompt, output, arrival=arrival)
+    req.predicted_output_tokens = output if guess is None else guess
+    return req
+
+
+def policy(sched: Scheduler) -> AlisePolicy:
+    assert isinstance(sched.policy, AlisePolicy)
+    return sched.policy
+
+
+def state(req: Request) -> JobState:
+    assert isinstance(req.policy_state, JobState)
+    return req.policy_state
+
+
+def test_alise_runs_the_shortest_predicted_remaining_job_first_and_preempts_each_iteration() -> None:
+    sched = make_scheduler("alise", max_num_seqs=1)
+    long = predicted("long", 8, 20)
+    sched.add_request(long, 0.0)
+    step(sched, 0.0)  # long is prefilled and decoding
+    short = predicted("short", 8, 3)
+    sched.add_request(short, 0.01)
+    plan, _ = step(sched, 0.02)
+    assert list(plan.num_scheduled_tokens) == ["short"]
+    assert long.status is RequestStatus.PREEMPTED_KEPT  # paused, its KV stays on the GPU
+    run_to_completion(sched)
+    assert short.finish_time is not None and long.finish_time is not None
+    assert short.finish_time < long.finish_time
+    sched.assert_empty()
+
+
+def test_alise_orders_waiting_jobs_by_remaining_time_not_arrival() -> None:
+    sched = make_scheduler("alise", max_num_seqs=1)
+    for rid, out in (("a", 12), ("b", 2), ("c", 6)):
+        sched.add_request(predicted(rid, 8, out), 0.0)
+    firsts = []
+    for plan in run_to_completion(sched):
+        rid = next(iter(plan.num_scheduled_tokens), None)
+        if rid is not None and rid not in firsts:
+            firsts.append(rid)
+    assert firsts == ["b", "c", "a"]
+    sched.assert_empty()
+
+
+def _starved_long_job(age_threshold_s: float, steps: int) -> tuple[Scheduler, Request]:
+    sched = make_scheduler(f"alise:age_threshold_s={age_threshold_s}", max_num_seqs=1, max_waiting=1000)
+    long = predicted("long", 8, 40)
+    sched.add_request(long, 0.0)
+    now = 0.0
+    for i in range(steps):  # a short job arrives every step: the queue never runs dry
+        sched.add_request(predicted(f"s{i}", 4, 2, arrival=now), now)
+        step(sched, now)
+        now += 0.01
+    return sched, long
+
+
+def test_alise_aging_lets_a_long_job_run_while_short_ones_keep_arriving() -> None:
+    sched, long = _starved_long_job(age_threshold_s=0.05, steps=120)
+    assert long.first_scheduled_time is not None
+    assert state(long).level == 0  # aged all the way up to the queue nothing else reaches
+    run_to_completion(sched)
+    sched.assert_empty()
+
+
+def test_alise_without_aging_the_long_job_starves_behind_short_ones() -> None:
+    sched, long = _starved_long_job(age_threshold_s=1e9, steps=120)
+    assert long.first_scheduled_time is None
+    run_to_completion(sched)
+    sched.assert_empty()
+
+
+def test_alise_misprediction_doubles_the_prediction_and_demotes() -> None:
+    sched = make_scheduler("alise:level_base_tokens=2", max_num_seqs=4)
+    req = predicted("r", 8, 30, guess=4)
+    sched.add_request(req, 0.0)
+    predictions = [state(req).predicted]
+    now = 0.0
+    while not req.status.is_finished:
+        before = state(req).level
+        step(sched, now)
+        now += 0.01
+        if not req.status.is_finished and state(req).predicted != predictions[-1]:
+            assert req.num_output_tokens == predictions[-1]  # it reached the prediction unfinished
+            predictions.append(state(req).predicted)
+            assert state(req).level > before or state(req).level == policy(sched).config.num_queues
+    assert predictions == [4, 8, 16, 32]
+    run_to_completion(sched)
+    sched.assert_empty()
+
+
+def test_alise_ewt_is_the_work_ranked_ahead_bounded_by_the_promotion_time() -> None:
+    sched = make_scheduler("alise:age_threshold_s=1.0")
+    alise = policy(sched)
+    jobs = [predicted(f"j{i}", 8, 10) for i in range(3)]
+    for i, req in enumerate(jobs):
+        req.policy_state = JobState(level=2, key=0.0, seq=i, clock=1.0, predicted=10)
+    state(jobs[2]).clock = 0.2  # at t = 1.0 it has waited 0.8 s of its 1 s age threshold
+    ranked = [((2, rem, i), req) for i, (rem, req) in enumerate(zip((1.0, 2.0, 3.0), jobs, strict=True))]
+    ewts, total = alise._ewts(ranked, 0.5, now=1.0)
+    t_promote = 1.0 * (2 - 1) + (1.0 - 0.8)  # one more queue to climb, plus what is left of this one
+    assert [e for e, _, _ in ewts] == [0.5, 1.5, min(3.5, t_promote)]
+    assert math.isclose(total, 6.5)
+    assert sorted(ewts, key=lambda e: e[0])[1][2] is jobs[2]  # the promotion bound moves it up
+    for req in jobs:
+        req.policy_state = None
+    sched.assert_empty()
+
+
+def test_alise_swaps_out_paused_jobs_beyond_the_job_limit_and_swaps_in_those_about_to_run() -> None:
+    sched = make_scheduler("alise:job_limit=2", max_num_seqs=1)
+    c, b, a = predicted("c", 8, 9), predicted("b", 8, 6), predicted("a", 8, 3)
+    sched.add_request(c, 0.0)
+    step(sched, 0.0)
+    sched.add_request(b, 0.01)
+    step(sched, 0.02)  # b overtakes c
+    sched.add_request(a, 0.03)
+    plan, _ = step(sched, 0.04)  # a overtakes b: batch {a}, M = 2 leaves one GPU slot for b
+    assert list(plan.num_scheduled_tokens) == ["a"]
+    assert b.status is RequestStatus.PREEMPTED_KEPT
+    assert c.status is RequestStatus.PREEMPTED_SWAPPED
+    swap_out = [m for m in plan.kv_moves if m.kind is KVMoveKind.SWAP_OUT]
+    assert [m.request_id for m in swap_out] == ["c"] and swap_out[0].int8
+    now = 0.05
+    while not a.status.is_finished:
+        plan, _ = step(sched, now)
+        now += 0.01
+    plan, _ = step(sched, now)  # b runs; c now ranks within M and is brought back ahead of time
+    assert list(plan.num_scheduled_tokens) == ["b"]
+    assert [m.request_id for m in plan.kv_moves if m.kind is KVMoveKind.SWAP_IN] == ["c"]
+    assert c.status is RequestStatus.DECODING
+    run_to_completion(sched)
+    sched.assert_empty()
+
+
+def _memory_pressure(spec: str) -> tuple[Scheduler, Request, Request, StepPlan]:
+    """A long job holds most of a 10-block GPU when a shorter job with a big prompt arrives."""
+    sched = make_scheduler(spec, num_gpu_blocks=10, block_size=4)
+    long = predicted("long", 12, 16)
+    sched.add_request(long, 0.0)
+    now = 0.0
+    while sched.kv.gpu.num_free > 4:
+        step(sched, now)
+        now += 0.01
+    short = predicted("short", 20, 2)
+    sched.add_request(short, now)
+    plan, _ = step(sched, now)
+    return sched, long, short, plan
+
+
+def test_alise_swap_manager_swaps_out_the_lower_ranked_job_for_a_shorter_one() -> None:
+    sched, long, short, _ = _memory_pressure("alise")
+    assert long.status is RequestStatus.PREEMPTED_SWAPPED
+    assert short.status is RequestStatus.DECODING
+    run_to_completion(sched)
+    assert sched.metrics.preemptions[("swap", "kv_pressure")] == 1
+    sched.assert_empty()
+
+
+def test_alise_recompute_variant_drops_the_kv_of_evicted_jobs() -> None:
+    sched, long, short, _ = _memory_pressure("alise:memory=recompute")
+    assert long.status is RequestStatus.PREEMPTED_RECOMPUTE and long.num_computed_tokens == 0
+    assert short.status is RequestStatus.DECODING
+    run_to_completion(sched)
+    assert sched.metrics.preemptions[("recompute", "kv_pressure")] == 1
+    assert ("swap", "kv_pressure") not in sched.metrics.preemptions
+    sched.assert_empty()
+
+
+def test_alise_defer_variant_makes_new_jobs_wait_for_memory() -> None:
+    sched, long, short, _ = _memory_pressure("alise:memory=defer")
+    assert long.status is RequestStatus.DECODING and long.num_preemptions == 0
+    assert short.status is RequestStatus.WAITING
+    run_to_completion(sched)
+    assert long.finish_time is not None and short.first_scheduled_time is not None
+    assert short.first_scheduled_time >= long.finish_time  # it waited for long's memory
+    sched.assert_empty()
+
+
+def test_alise_int8_option_decides_whether_swapped_kv_is_compressed() -> None:
+    for flag in (True, False):
+        sched, long, _, plan = _memory_pressure(f"alise:int8={str(flag).lower()}")
+        assert long.status is RequestStatus.PREEMPTED_SWAPPED
+        assert [m.int8 for m in plan.kv_moves if m.kind is KVMoveKind.SWAP_OUT] == [flag]
+        run_to_completion(sched)
+        sched.assert_empty()
+
+
+class LinearCosts:
+    """A cost model that is exactly ALISE's Eq. 4-5."""
+
+    def prefill_time(self, num_tokens: int, prefix: int = 0) -> float:
+        return 3e-4 * num_tokens
+
+    def decode_time(self, batch_size: int, context_len: int) -> float:
+        return 1e-6 * context_len + 0.015
+
+
+def test_exec_time_model_fit_recovers_linear_latencies_by_least_squares() -> None:
+    model = ExecTimeModel.fit(LinearCosts(), max_len=2048)  # type: ignore[arg-type]
+    assert math.isclose(model.t0, 3e-4, rel_tol=1e-6)
+    assert math.isclose(model.alpha, 1e-6, rel_tol=1e-6)
+    assert math.isclose(model.beta, 0.015, rel_tol=1e-6)
+    assert math.isclose(model.decode(100, 10), 10 * (1e-4 + 0.015))

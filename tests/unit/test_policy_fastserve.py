@@ -1,0 +1,78 @@
+"""FastServe's skip-join MLFQ: placement by prefill time, demotion after the quantum, swap
+under KV pressure. Every test ends with the leak check."""
+
+from __future__ import annotations
+
+from harness import make_request, make_scheduler, run_to_completion, step
+
+from scheduler_service.core.plan import KVMoveKind
+from scheduler_service.core.request import RequestStatus
+from scheduler_service.policies.alise_queues import JobState
+from scheduler_service.policies.fastserve import DEFAULT_PREFILL_S_PER_TOKEN, FastServePolicy
+
+
+def level(req: object) -> int:
+    st = req.policy_state  # type: ignore[attr-defined]
+    assert isinstance(st, JobState)
+    return st.level
+
+
+def test_fastserve_skip_join_places_a_job_in_the_first_queue_whose_quantum_covers_its_prefill() -> None:
+    sched = make_scheduler(
+        "fastserve:quantum_s=0.01", num_gpu_blocks=512, max_model_len=4096, max_num_batched_tokens=4096
+    )
+    policy = sched.policy
+    assert isinstance(policy, FastServePolicy)
+    assert policy.quanta == [0.01, 0.02, 0.04, 0.08, 0.16]
+    placed = {}
+    for prompt in (8, 100, 150, 700, 1000):
+        req = make_request(f"p{prompt}", prompt, 2)
+        sched.add_request(req, 0.0)
+        placed[prompt] = level(req)
+    # prefill 0.0016 s, 0.02 s, 0.03 s, 0.14 s, 0.2 s (longer than every quantum: the last queue)
+    assert DEFAULT_PREFILL_S_PER_TOKEN == 2e-4
+    assert placed == {8: 0, 100: 1, 150: 2, 700: 4, 1000: 4}
+    run_to_completion(sched)
+    sched.assert_empty()
+
+
+def test_fastserve_demotes_a_job_that_uses_up_its_quantum_and_a_new_job_overtakes_it() -> None:
+    sched = make_scheduler("fastserve:quantum_s=0.02", max_num_seqs=1)
+    old = make_request("old", 8, 30)
+    sched.add_request(old, 0.0)
+    step(sched, 0.0)
+    assert level(old) == 0
+    step(sched, 0.01)  # two 10 ms iterations: queue 0's 20 ms quantum is used up
+    assert level(old) == 1
+    for t in range(4):
+        step(sched, 0.02 + 0.01 * t)
+    assert level(old) == 2  # 40 ms more in queue 1
+    new = make_request("new", 8, 3)
+    sched.add_request(new, 0.1)
+    plan, _ = step(sched, 0.1)
+    assert list(plan.num_scheduled_tokens) == ["new"]
+    assert old.status is RequestStatus.PREEMPTED_KEPT
+    run_to_completion(sched)
+    assert new.finish_time is not None and old.finish_time is not None and new.finish_time < old.finish_time
+    sched.assert_empty()
+
+
+def test_fastserve_swaps_the_lower_priority_job_out_when_gpu_kv_is_short() -> None:
+    sched = make_scheduler("fastserve:quantum_s=0.02", num_gpu_blocks=10, block_size=4)
+    old = make_request("old", 12, 20)
+    sched.add_request(old, 0.0)
+    now = 0.0
+    while sched.kv.gpu.num_free > 4:
+        step(sched, now)
+        now += 0.01
+    assert level(old) > 0
+    new = make_request("new", 20, 2)  # needs 5 blocks, 4 are free
+    sched.add_request(new, now)
+    plan, _ = step(sched, now)
+    assert "new" in plan.num_scheduled_tokens
+    assert old.status is RequestStatus.PREEMPTED_SWAPPED
+    assert [m.request_id for m in plan.kv_moves if m.kind is KVMoveKind.SWAP_OUT] == ["old"]
+    kinds = [m.kind for p in run_to_completion(sched) for m in p.kv_moves]
+    assert KVMoveKind.SWAP_IN in kinds
+    assert sched.metrics.preemptions[("swap", "kv_pressure")] == 1
+    sched.assert_empty()
