@@ -120,6 +120,9 @@ class MetricsRecorder:
     def on_finish(self, request: Request, now: float) -> None:
         self.ended[request.status.name] += 1
         self.last_finish = max(self.last_finish, now)
+        if request.status is RequestStatus.FINISHED_REJECTED:
+            # A policy's or the driver's late rejection: its message starts with the reason.
+            self.rejected[request.finish_message.partition(":")[0] or "rejected"] += 1
         if request.status not in _COMPLETED:
             if request.status is not RequestStatus.FINISHED_ABORTED:
                 self._judge_missed(request)

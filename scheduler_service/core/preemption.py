@@ -24,5 +24,6 @@ class RejectReason(StrEnum):
     QUEUE_FULL = "queue_full"
     PROMPT_TOO_LONG = "prompt_too_long"  # prompt + max_tokens over the model's context
     DUPLICATE_ID = "duplicate_id"
+    EXCEEDS_KV_CAPACITY = "exceeds_kv_capacity"  # the prompt alone needs more blocks than the worker has
     NO_WORKER = "no_worker"
     UNSCHEDULABLE = "unschedulable"  # no policy step could ever place it

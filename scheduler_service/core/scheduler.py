@@ -99,6 +99,9 @@ class Scheduler:
             return RejectReason.PROMPT_TOO_LONG
         if request.num_prompt_tokens + request.max_tokens > self.config.max_model_len:
             return RejectReason.PROMPT_TOO_LONG
+        if self.kv.num_blocks_for(request.num_prompt_tokens + 1) > self.kv.gpu.num_blocks:
+            # NOTE: vLLM "ignores" such prompts; left in an FCFS queue they would block it forever.
+            return RejectReason.EXCEEDS_KV_CAPACITY
         if len(self.waiting) >= self.config.max_waiting:
             return RejectReason.QUEUE_FULL
         return None

@@ -184,9 +184,10 @@ class Simulation:
             next_arrival = float(arrivals[i].arrival_s or 0.0) if i < len(arrivals) else math.inf
             next_done = events[0][0] if events else math.inf
             next_wake = self._next_wakeup(now, busy)
-            now = min(next_arrival, next_done, next_wake)
-            if now == math.inf:
-                break
+            upcoming = min(next_arrival, next_done, next_wake)
+            if upcoming == math.inf:
+                break  # NOTE: `now` keeps the last event's time for the leftover sweep below
+            now = upcoming
             if next_done <= now:
                 _, _, w = heapq.heappop(events)
                 busy[w] = False

@@ -94,3 +94,12 @@ def test_cli_reports_bad_input_clearly(capsys: pytest.CaptureFixture[str]) -> No
     assert "no-such-trace" in capsys.readouterr().err
     assert main(["simulate", "--trace", "sharegpt", "--policy", "nope", "--rate", "1", "--no-progress"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
+
+
+def test_prompts_larger_than_the_kv_cache_are_rejected_and_do_not_block_the_queue(cost_model: CostModel) -> None:
+    wl = apply_arrivals(load_trace("mooncake", num_requests=40), "poisson", rate=1.0, seed=0)
+    run = simulate(SimConfig(policy="vllm", kv_gb=8.0, max_model_len=200_000), wl, cost_model)
+    m, d = run.metrics, run.details
+    assert d["rejected_by_reason"].get("exceeds_kv_capacity", 0) > 0
+    assert m["num_finished"] + sum(d["rejected_by_reason"].values()) == 40
+    assert 0 < d["window_s"] < 1e6 and m["throughput_tok_s"] > 0
