@@ -1,4 +1,4 @@
-"""The `sluice` command: simulate, capacity, profile, worker.
+"""The `sluice` command: simulate, capacity, profile, worker, serve, scheduler.
 
     sluice simulate --trace sharegpt --policy vllm --policy sarathi --model llama-2-7b \
         --hardware a100-80g --rate 2 --num-requests 1000 --json out.json --plot out.png
@@ -6,6 +6,8 @@
         --slo-profile sarathi-strict --slo-rule sarathi
     sluice profile --model tiny-llama --out profile.json
     sluice worker --model tiny-llama --port 50061
+    sluice serve --workers 2 --policy sarathi --demo
+    sluice scheduler --worker 127.0.0.1:50061 --worker 127.0.0.1:50062 --port 50051
 """
 
 from __future__ import annotations
@@ -168,6 +170,18 @@ def _delegate(module: str) -> Any:
     return run
 
 
+def _serve_commands(sub: argparse._SubParsersAction) -> None:
+    """`serve` (workers as subprocesses + the scheduler) and `scheduler` (against running workers)."""
+    from services import serve
+
+    p = sub.add_parser("serve", help="start the scheduler and N workers; --demo replays a trace against them")
+    serve.add_serve_arguments(p, workers=True)
+    p.set_defaults(func=serve.cmd_serve)
+    p = sub.add_parser("scheduler", help="run the scheduler service against running workers")
+    serve.add_serve_arguments(p, workers=False)
+    p.set_defaults(func=serve.cmd_scheduler)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice: LLM serving scheduler and simulator")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -183,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=0.05, help="relative width at which bisection stops")
     p.add_argument("--json", help="write results JSON here")
     p.set_defaults(func=cmd_capacity)
+    _serve_commands(sub)
     for name, module, text in (
         ("profile", "worker_service.profiler", "measure a worker's step times and write a profile JSON"),
         ("worker", "worker_service.server", "run one worker service"),
@@ -190,7 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=_delegate(module))
+    _client_commands(sub)
     return parser
+
+
+def _client_commands(sub: Any) -> None:
+    """`sluice generate` and `sluice bench`: clients of a running scheduler (services/generate.py, bench.py)."""
+    from services import bench, generate
+
+    generate.add_parser(sub)
+    bench.add_parser(sub)
 
 
 _DELEGATED = {"profile": "worker_service.profiler", "worker": "worker_service.server"}

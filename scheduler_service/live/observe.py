@@ -1,0 +1,128 @@
+"""LiveMetrics: the simulator's MetricsRecorder, plus the live service's traces and Prometheus.
+
+    core events (admitted, preempted, rejected, finished) --> MetricsRecorder (same definitions
+                                                               as the simulator)
+                                                          --> RequestTrace of the request
+                                                          --> ServingMetrics (when given)
+
+The core already reports every event these need, so tracing and Prometheus hang off the
+recorder instead of adding hooks to the core. Both are optional: without `setup_tracing`
+a RequestTrace is a non-recording span (a few hundred ns), and `serving` may be None.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+from scheduler_service.core.metrics import MetricsRecorder
+from scheduler_service.core.preemption import PreemptionMode, PreemptionReason, RejectReason
+from scheduler_service.core.request import Request, RequestStatus
+from sluice.common.telemetry import RequestTrace
+
+if TYPE_CHECKING:
+    from sluice.common.prom import ServingMetrics
+
+_COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
+
+class LiveMetrics(MetricsRecorder):
+    def __init__(self, model: str, policy: str, serving: ServingMetrics | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.policy = policy
+        self.serving = serving
+        self.traces: dict[str, RequestTrace] = {}
+
+    # ------------------------------------------------------------------ request spans
+    def start_trace(self, request: Request) -> RequestTrace:
+        sp = request.sampling
+        slo = request.slo
+        attrs: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": sp.max_tokens,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "top_k": sp.top_k,
+            "input_tokens": request.num_prompt_tokens,
+            "sluice.policy": self.policy,
+            "sluice.priority": request.priority,
+            "sluice.slo.class": str(slo.effective_class),
+            "sluice.length_source": request.length_source,
+        }
+        if sp.seed is not None:
+            attrs["seed"] = sp.seed
+        for name in ("ttft_s", "tbt_s", "jct_s"):
+            if getattr(slo, name) is not None:
+                attrs[f"sluice.slo.{name}"] = getattr(slo, name)
+        if request.predicted_output_tokens is not None:
+            attrs["sluice.predicted_output_tokens"] = request.predicted_output_tokens
+        trace = RequestTrace(request.request_id, attrs)
+        trace.phase("queue")
+        self.traces[request.request_id] = trace
+        request.traceparent = trace.traceparent()
+        return trace
+
+    def on_scheduled(self, request: Request) -> None:
+        """The request is in this step's batch: its span leaves the queue phase."""
+        trace = self.traces.get(request.request_id)
+        if trace is not None and trace.current_phase != "decode":
+            trace.phase("prefill" if request.is_prefill else "decode")
+
+    def on_first_token(self, request: Request) -> None:
+        trace = self.traces.get(request.request_id)
+        if trace is not None:
+            trace.phase("decode")
+
+    # ------------------------------------------------------------------ core events
+    def on_preempt(self, request: Request, mode: PreemptionMode, reason: PreemptionReason, now: float) -> None:
+        super().on_preempt(request, mode, reason, now)
+        trace = self.traces.get(request.request_id)
+        if trace is not None:
+            trace.event("preemption", {"mode": str(mode), "reason": str(reason)})
+            if mode is PreemptionMode.SWAP:
+                trace.event("swap", {"direction": "out"})
+            trace.phase("queue")
+        if self.serving is not None:
+            self.serving.inc_preemption(str(mode), str(reason))
+
+    def on_reject(self, request: Request, reason: RejectReason, now: float) -> None:
+        super().on_reject(request, reason, now)
+        if self.serving is not None:
+            self.serving.inc_rejected(str(reason))
+        self._end_trace(request, error=f"rejected: {reason}")
+
+    def on_finish(self, request: Request, now: float) -> None:
+        super().on_finish(request, now)
+        if self.serving is not None and request.status in _COMPLETED:
+            self._observe(request)
+        ok = request.status in _COMPLETED or request.status is RequestStatus.FINISHED_ABORTED
+        self._end_trace(request, error=None if ok else (request.finish_message or request.status.name))
+
+    def _observe(self, request: Request) -> None:
+        serving = self.serving
+        assert serving is not None
+        times = request.token_times
+        arrival = request.arrival_time
+        serving.observe_ttft(times[0] - arrival)
+        serving.observe_e2e(times[-1] - arrival)
+        serving.observe_queue(request.queue_time)
+        for a, b in itertools.pairwise(times):
+            serving.observe_itl(b - a)
+        if len(times) > 1:
+            serving.observe_tpot((times[-1] - times[0]) / (len(times) - 1))
+        serving.inc_tokens(request.num_prompt_tokens, len(times))
+
+    def _end_trace(self, request: Request, error: str | None) -> None:
+        trace = self.traces.pop(request.request_id, None)
+        if trace is None:
+            return
+        trace.finish(
+            {
+                "output_tokens": request.num_output_tokens,
+                "finish_reasons": [request.status.finish_reason or "unknown"],
+                "sluice.preemptions": request.num_preemptions,
+                "sluice.queue_time_s": request.queue_time,
+            },
+            error=error,
+        )

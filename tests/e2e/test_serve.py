@@ -1,0 +1,104 @@
+"""The whole stack as processes: `sluice serve` starts, prints where it listens, serves and
+shuts down on SIGINT leaving no worker behind; and a worker process killed with SIGKILL
+mid-run leaves every admitted request finished on the other worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+
+import grpc
+import pytest
+
+from services.serve import ServeConfig, load_config, start_scheduler, start_workers, stop_workers
+from sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+
+def _request(i: int, max_tokens: int) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        request_id=f"q{i}",
+        token_ids=common_pb2.TokenIds(ids=list(range(2000 + i, 2030 + i))),
+        sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+async def _collect(stub: generation_pb2_grpc.GenerationServiceStub, i: int, n: int) -> list[int]:
+    return [t async for m in stub.Generate(_request(i, n)) for t in m.token_ids]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_sluice_serve_listens_serves_and_stops_cleanly_on_sigint() -> None:
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--workers", "1", "--port", "0", "--num-gpu-blocks", "64"]
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    try:
+        line = ""
+        while "listening on" not in line:
+            line = (await asyncio.wait_for(proc.stdout.readline(), timeout=120)).decode()
+            assert line, "sluice serve exited before listening"
+        match = re.search(r"listening on ([\d.]+):(\d+) .*workers ([\d.:]+)\)", line)
+        assert match, line
+        async with grpc.aio.insecure_channel(f"{match.group(1)}:{match.group(2)}") as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            tokens = await asyncio.gather(*(_collect(stub, i, 8) for i in range(4)))
+            info = await stub.GetServerInfo(generation_pb2.GetServerInfoRequest())
+        assert [len(t) for t in tokens] == [8] * 4
+        assert [w.address for w in info.workers] == [match.group(3)]
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), timeout=60) == 0
+        rest = (await proc.stdout.read()).decode()
+        assert "shutting down" in rest
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_a_killed_worker_process_leaves_every_admitted_request_finished_on_the_other() -> None:
+    cfg = ServeConfig(workers=2, port=0, num_gpu_blocks=128, worker_threads=1)
+    workers = await start_workers(cfg)
+    try:
+        server = await start_scheduler(cfg, [w.address for w in workers])
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                tasks = [asyncio.ensure_future(_collect(stub, i, 48)) for i in range(12)]
+                while server.live.loops[0].num_steps < 5:
+                    await asyncio.sleep(0.005)
+                workers[0].proc.kill()
+                results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+                info = await stub.GetServerInfo(generation_pb2.GetServerInfoRequest())
+                stats = await stub.GetStats(generation_pb2.GetStatsRequest())
+        finally:
+            await server.stop(grace_s=1.0, drain_s=0.0)
+    finally:
+        await stop_workers(workers)
+    assert [len(r) for r in results] == [48] * 12, "every admitted request finished with all its tokens"
+    assert [w.healthy for w in info.workers] == [False, True]
+    assert stats.num_finished == 12 and sum(w.gpu_blocks_used for w in stats.workers) == 0
+    assert not any(_alive(w.proc.pid) for w in workers)
+
+
+def test_settings_come_from_defaults_then_the_config_file_then_the_flags(tmp_path) -> None:
+    toml = tmp_path / "serve.toml"
+    toml.write_text('workers = 3\npolicy = "sarathi:budget=256"\nmax-waiting = 64\n')
+    cfg = load_config(str(toml), {"policy": "vllm", "port": None})
+    assert (cfg.workers, cfg.policy, cfg.max_waiting, cfg.port) == (3, "vllm", 64, ServeConfig().port)
+    js = tmp_path / "serve.json"
+    js.write_text('{"model": "tiny-opt", "num_gpu_blocks": 32}')
+    assert (load_config(str(js), {}).model, load_config(str(js), {}).num_gpu_blocks) == ("tiny-opt", 32)
+    js.write_text('{"wokers": 2}')
+    with pytest.raises(ValueError, match="wokers"):
+        load_config(str(js), {})
