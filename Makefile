@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: demo test lint protos install
+.PHONY: demo sim test lint protos install
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,13 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# The main job: the baselines on a slice of the real ShareGPT trace, simulated (table, JSON, plot).
+# The main job: the whole stack on CPU (scheduler + 2 workers with the tiny demo model), replaying
+# a slice of the real Azure conversation trace against itself, then the metrics table.
 demo: $(VENV)/.installed
+	$(BIN)/sluice serve --demo
+
+# The simulated comparison of the baselines on the real ShareGPT trace (table, JSON, plot).
+sim: $(VENV)/.installed
 	$(BIN)/sluice simulate --trace sharegpt --num-requests 500 --rate 1.5 --max-model-len 8192 \
 		--policy vllm --policy vllm_chunked --policy sarathi --policy orca --policy sls \
 		--model llama-2-7b --hardware a100-80g --json sim.json --plot sim.png
