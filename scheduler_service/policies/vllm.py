@@ -49,7 +49,7 @@ class VLLMPolicy(Policy):
         for req in waiting_order(step, self.config.priority):
             n = req.num_tokens_to_compute
             if n > step.budget.max_tokens:
-                reject_unservable(step, req, f"prompt of {n} tokens exceeds max_num_batched_tokens")
+                reject_unservable(step, req, f"prompt_too_long: {n} tokens exceed max_num_batched_tokens")
                 continue
             if len(step.running) >= self.ctx.max_num_seqs or not step.budget.can_fit(n):
                 break
