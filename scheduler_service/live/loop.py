@@ -46,11 +46,13 @@ class WorkerLoop:
         self._backoff_s = live.config.reconnect_min_s
 
     async def run(self) -> None:
-        while True:
+        while not self.live.closing:
             if not self.connected:
                 await self._reconnect()
                 continue
             await self._wait_for_work()
+            if self.live.closing:
+                return
             try:
                 await self._step()
             except WorkerLost as exc:
@@ -63,7 +65,7 @@ class WorkerLoop:
 
     # ------------------------------------------------------------------ stepping
     async def _wait_for_work(self) -> None:
-        while not self.scheduler.has_work:
+        while not self.scheduler.has_work and not self.live.closing:
             self.wake.clear()
             await self._sleep()
 

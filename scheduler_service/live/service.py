@@ -83,6 +83,7 @@ class LiveScheduler:
         self.loops: dict[int, WorkerLoop] = {}
         self.on_health: Callable[[bool], None] | None = None
         self._tasks: list[asyncio.Task] = []
+        self.closing = False
         self.started_at = 0.0
         self.num_tokens_out = 0
 
@@ -159,9 +160,17 @@ class LiveScheduler:
 
     async def close(self) -> None:
         """Stops the loops; unfinished requests end as aborted so their clients hear of it."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.closing = True
+        for loop in self.loops.values():
+            loop.wake.set()
+        pending = set(self._tasks)
+        # NOTE: Python 3.11's wait_for can swallow a cancellation that lands as its inner
+        # await completes (a step result arriving); the loops also check `closing`, and we
+        # cancel again until every task has really ended.
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.1)
         self._tasks = []
         for rid in list(self.streams):
             self.abort(rid, "server shutting down")
