@@ -283,9 +283,10 @@ def main() -> None:
     parser.add_argument("--real-rule", default="attainment:0.5", help="capacity rule for --part real")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs/econoserve", help="prefix of the PNGs")
-    parser.add_argument("--data", default="/tmp/econoserve", help="prefix of the JSON and markdown tables")
+    parser.add_argument("--data", default="econoserve-data/econoserve", help="prefix of the JSON and markdown tables")
     parser.add_argument("--traces", nargs="*", help="synthetic traces to (re)run; the others are kept from --data")
     args = parser.parse_args()
+    Path(args.data).parent.mkdir(parents=True, exist_ok=True)
     if args.part == "synthetic":
         saved = Path(f"{args.data}_synthetic.json")
         res = json.loads(saved.read_text()) if args.traces and saved.exists() else {}

@@ -15,7 +15,7 @@ Vidur reports under 9% error against real GPUs; the target here is a median abso
 error of at most 15%. CPU steps on a machine shared with other processes are noisier than
 GPU steps, so the workers run with few threads and the report gives the spread.
 
-    /work/venv/bin/python benchmarks/fidelity.py [--profile PROFILE.json] [--num-requests 40] [--rate 2]
+    python benchmarks/fidelity.py [--profile PROFILE.json] [--num-requests 40] [--rate 2]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
 The three kinds of process share this machine's cores, so the figure is a floor for the
 scheduler on a box of its own.
 
-    /work/venv/bin/python benchmarks/live_admission.py [--workers 1,2] [--concurrency 32,128] [--num-requests 600]
+    python benchmarks/live_admission.py [--workers 1,2] [--concurrency 32,128] [--num-requests 600]
 """
 
 from __future__ import annotations

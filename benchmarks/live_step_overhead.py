@@ -20,7 +20,7 @@ consistency check); trimmed, only requests with new blocks or a replaced table a
 which both workers accept (they check the entries they are given). The trimming runs
 inside the timed build phase, so its cost is counted.
 
-    /work/venv/bin/python benchmarks/live_step_overhead.py [--sizes 1,4,16,64,128,256] [--steps 100]
+    python benchmarks/live_step_overhead.py [--sizes 1,4,16,64,128,256] [--steps 100]
 """
 
 from __future__ import annotations

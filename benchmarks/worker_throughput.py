@@ -14,7 +14,7 @@ ratio compares the serving loops, not the models. Static batching pays for paddi
 for waiting on the longest request of each batch: that waste is what continuous batching
 removes.
 
-    /work/venv/bin/python benchmarks/worker_throughput.py [--num-requests 64] [--repeats 3] [--markdown OUT.md]
+    python benchmarks/worker_throughput.py [--num-requests 64] [--repeats 3] [--markdown OUT.md]
 """
 
 from __future__ import annotations

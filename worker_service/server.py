@@ -424,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         # NOTE: on a CPU shared with other processes, fewer OpenMP threads than cores avoids
-        # barrier stalls that made the same steps up to 40x slower (docs/results_worker.md).
+        # barrier stalls that made the same steps up to 40x slower (docs/RESULTS.md, worker section).
         torch.set_num_threads(args.threads)
     config = EngineConfig(
         model=args.model,
