@@ -56,16 +56,18 @@ def make_profile(path: Path, threads: int) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
-def scaled_workload(args: argparse.Namespace) -> Workload:
-    """The trace's requests with prompt and output lengths scaled into the tiny model's range."""
-    workload = load_trace(args.trace, num_requests=args.num_requests, seed=args.seed)
+def scaled_workload(args: argparse.Namespace, part: int = 0) -> Workload:
+    """Slice `part` of the trace (part 1 calibrates, part 0 is measured: different requests),
+    with prompt and output lengths scaled into the tiny model's range."""
+    n = args.num_requests
+    workload = load_trace(args.trace, num_requests=2 * n, seed=args.seed)
     requests = [
         dataclasses.replace(
             r,
             prompt_tokens=max(1, min(args.max_prompt, round(r.prompt_tokens * args.prompt_scale))),
             output_tokens=max(2, min(args.max_output, r.output_tokens)),
         )
-        for r in workload.requests
+        for r in workload.requests[part * n : (part + 1) * n]
     ]
     scaled = workload.derive(requests, f"lengths x{args.prompt_scale}, prompts <= {args.max_prompt}")
     return apply_arrivals(scaled, "poisson", rate=args.rate, seed=args.seed)
@@ -82,17 +84,38 @@ def live_config(args: argparse.Namespace) -> LiveConfig:
     )
 
 
-async def run_live(addresses: list[str], requests: list[BenchRequest], args: argparse.Namespace) -> list[RequestRecord]:
+StepLog = list[tuple[int, float, float]]
+
+
+async def run_live(
+    addresses: list[str], requests: list[BenchRequest], args: argparse.Namespace
+) -> tuple[list[RequestRecord], StepLog]:
+    """The requests through a live scheduler; also every step's (sequences, wall s, worker s)."""
     live = LiveScheduler(addresses, live_config(args))
     server = await SchedulerServer.start(live, 0)
     try:
         async with SluiceClient(f"127.0.0.1:{server.port}") as client:
-            return await run_requests(client, requests, progress=True)
+            records = await run_requests(client, requests, progress=True)
     finally:
         await server.stop(grace_s=1.0, drain_s=0.0)
+    return records, [s for loop in live.loops.values() for s in loop.step_log]
 
 
-def run_sim(records: list[RequestRecord], cost_model: FittedCostModel, args: argparse.Namespace) -> dict[str, tuple]:
+def fit_overhead(steps: StepLog) -> tuple[float, float]:
+    """Least squares of the stack's own time per step (wall minus what the worker reports)
+    = a + b x sequences: the simulator's CPU-overhead model (Vidur models the same terms)."""
+    seqs = np.array([s[0] for s in steps], dtype=float)
+    extra = np.array([s[1] - s[2] for s in steps])
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(seqs), seqs], axis=1), extra, rcond=None)
+    return max(float(a), 0.0), max(float(b), 0.0)
+
+
+def run_sim(
+    records: list[RequestRecord],
+    cost_model: FittedCostModel,
+    args: argparse.Namespace,
+    overhead: tuple[float, float] = (0.0, 0.0),
+) -> dict[str, tuple]:
     """Per request id: (TTFT, JCT) in the simulator, with the arrival times of the live run."""
     t0 = min(r.sent_s for r in records)
     trace = [
@@ -111,6 +134,8 @@ def run_sim(records: list[RequestRecord], cost_model: FittedCostModel, args: arg
         max_model_len=2048,
         swap_space_gb=0.0,
         length_source="max_tokens",
+        step_overhead_s=overhead[0],
+        seq_overhead_s=overhead[1],
     )
     sim = Simulation(config, Workload("fidelity", trace), cost_model)
     per_request: dict[str, tuple] = {}
@@ -135,8 +160,9 @@ def errors(live: dict[str, tuple], sim: dict[str, tuple], index: int) -> np.ndar
     return np.array([abs(sim[i][index] - live[i][index]) / live[i][index] for i in ids])
 
 
-def report(live: dict[str, tuple], sim: dict[str, tuple], args: argparse.Namespace, fit_mape: float) -> str:
-    jct, ttft = errors(live, sim, 1), errors(live, sim, 0)
+def report(result: dict, args: argparse.Namespace) -> str:
+    live = result["live"]
+    a, b = result["overhead"]
 
     def p50(d: dict[str, tuple], i: int) -> float:
         return statistics.median(v[i] for v in d.values()) * 1e3
@@ -144,39 +170,60 @@ def report(live: dict[str, tuple], sim: dict[str, tuple], args: argparse.Namespa
     lines = [
         f"workload: {args.trace}, {args.num_requests} requests, Poisson {args.rate} req/s, policy {args.policy}, "
         f"{args.workers} CPU worker(s) x {args.threads} thread(s), {args.num_gpu_blocks} KV blocks each",
-        f"fitted cost model: step MAPE {fit_mape:.1%} on its own profile",
-        f"requests compared: {len(jct)} (live finished {len(live)}, simulated {len(sim)})",
+        f"fitted cost model: step MAPE {result['fit_mape']:.1%} on its own profile",
+        f"CPU overhead model, calibrated on another slice of the trace: {a * 1e3:.3f} ms per step "
+        f"+ {b * 1e3:.3f} ms per sequence",
+        f"requests compared: {len(live)}",
         "",
-        "| metric | live p50 ms | sim p50 ms | median abs error | p90 abs error |",
-        "|---|---|---|---|---|",
-        f"| JCT | {p50(live, 1):.1f} | {p50(sim, 1):.1f} | {np.median(jct):.1%} | {np.percentile(jct, 90):.1%} |",
-        f"| TTFT | {p50(live, 0):.1f} | {p50(sim, 0):.1f} | {np.median(ttft):.1%} | {np.percentile(ttft, 90):.1%} |",
-        "",
-        f"target: median absolute JCT error <= 15%: {'met' if np.median(jct) <= 0.15 else 'missed'}",
+        "| simulator | metric | live p50 ms | sim p50 ms | median abs error | p90 abs error |",
+        "|---|---|---|---|---|---|",
     ]
+    for name, key in (("cost model only", "sim_model_only"), ("cost model + CPU overhead", "sim")):
+        sim = result[key]
+        for metric, i in (("JCT", 1), ("TTFT", 0)):
+            e = errors(live, sim, i)
+            lines.append(
+                f"| {name} | {metric} | {p50(live, i):.1f} | {p50(sim, i):.1f} | {np.median(e):.1%} | "
+                f"{np.percentile(e, 90):.1%} |"
+            )
+    jct = np.median(errors(live, result["sim"], 1))
+    lines += ["", f"target: median absolute JCT error <= 15%: {'met' if jct <= 0.15 else 'missed'} ({jct:.1%})"]
     return "\n".join(lines)
 
 
-async def main_async(args: argparse.Namespace, profile: Path) -> tuple[dict, dict, float]:
-    cost_model = FittedCostModel.from_file(profile)
-    fit_mape = cost_model.fit_report().mape
-    workload = scaled_workload(args)
+async def live_times(addresses: list[str], workload: Workload, args: argparse.Namespace) -> tuple[list, StepLog]:
     requests = prepare_requests(workload, 2048, prompt_source="tokens")
+    start = time.perf_counter()
+    records, steps = await run_live(addresses, requests, args)
+    print(f"live run: {time.perf_counter() - start:.1f} s, {len(steps)} steps", flush=True)
+    done = [r for r in records if r.finish_reason == "length" and len(r.token_times) == r.request.max_tokens]
+    return done, steps
+
+
+async def main_async(args: argparse.Namespace, profile: Path) -> dict:
+    """Calibrates the CPU-overhead model on one slice of the trace, then compares live and
+    simulated times on another slice, with and without that model."""
+    cost_model = FittedCostModel.from_file(profile)
     extra = ("--num-gpu-blocks", str(args.num_gpu_blocks))
     workers = [
         spawn_worker(engine="torch", worker_id=w, threads=args.threads, extra=extra) for w in range(args.workers)
     ]
+    addresses = [w.address for w in workers]
     try:
-        start = time.perf_counter()
-        records = await run_live([w.address for w in workers], requests, args)
-        print(f"live run: {time.perf_counter() - start:.1f} s", flush=True)
+        _, calibration_steps = await live_times(addresses, scaled_workload(args, part=1), args)
+        done, _ = await live_times(addresses, scaled_workload(args, part=0), args)
     finally:
         for w in workers:
             w.stop()
-    done = [r for r in records if r.finish_reason == "length" and len(r.token_times) == r.request.max_tokens]
+    overhead = fit_overhead(calibration_steps)
     live = {r.request.request_id: (r.token_times[0] - r.sent_s, r.token_times[-1] - r.sent_s) for r in done}
-    sim = run_sim(done, cost_model, args)
-    return live, sim, fit_mape
+    return {
+        "live": live,
+        "sim_model_only": run_sim(done, cost_model, args),
+        "sim": run_sim(done, cost_model, args, overhead),
+        "overhead": overhead,
+        "fit_mape": cost_model.fit_report().mape,
+    }
 
 
 def main() -> int:
@@ -203,11 +250,11 @@ def main() -> int:
         profile = Path(args.profile) if args.profile else Path(tmp) / "profile.json"
         if not args.profile:
             make_profile(profile, args.threads)
-        live, sim, fit_mape = asyncio.run(main_async(args, profile))
-    text = report(live, sim, args, fit_mape)
+        result = asyncio.run(main_async(args, profile))
+    text = report(result, args)
     print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"live": live, "sim": sim, "args": vars(args)}, indent=1))
+        Path(args.json).write_text(json.dumps({**result, "args": vars(args)}, indent=1))
     if args.markdown:
         with open(args.markdown, "a") as f:
             f.write(text + "\n")

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from scheduler_service.core.plan import StepResult
@@ -42,6 +43,9 @@ class WorkerLoop:
         self.wake = asyncio.Event()
         self.connected = True
         self.num_steps = 0
+        # (sequences, wall seconds of the whole step here, seconds the worker reported):
+        # what the simulator's CPU-overhead model is calibrated from.
+        self.step_log: deque[tuple[int, float, float]] = deque(maxlen=100_000)
         self.last_error = ""
         self._backoff_s = live.config.reconnect_min_s
 
@@ -79,6 +83,7 @@ class WorkerLoop:
 
     async def _step(self) -> None:
         live, sched = self.live, self.scheduler
+        started = time.perf_counter()
         now = live.clock()
         live.cluster.release_held(now)
         start = time.perf_counter()
@@ -101,6 +106,7 @@ class WorkerLoop:
         self.num_steps += 1
         live.deliver(out.tokens, now)
         live.settle(self.worker_id, out.finished + sched.pop_finished(), now)
+        self.step_log.append((len(plan.num_scheduled_tokens), time.perf_counter() - started, result.total_s))
 
     # ------------------------------------------------------------------ failures
     async def _lose(self, why: str) -> None:

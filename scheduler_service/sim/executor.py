@@ -6,7 +6,9 @@ generated), turns each plan into a BatchShape, prices it with the cost model, an
 request reaches its true length from the trace, a filler token otherwise. Static-batching
 plans (`padded_len`, `invalid_tokens` in the metadata) are priced with their padding.
 KV swaps are priced over PCIe; int8 halves the bytes (ALISE), and `overlap_swap` hides
-them behind compute as an engine with a copy stream does.
+them behind compute as an engine with a copy stream does. An optional CPU-overhead model
+(a fixed cost per step plus one per scheduled sequence) adds what the serving stack spends
+outside the model, calibrated from a live run's step log.
 """
 
 from __future__ import annotations
@@ -20,9 +22,15 @@ SIM_TOKEN = 1
 
 class SimulatedExecutor:
     def __init__(
-        self, cost_model: CostModel, bytes_per_block: int, truth: dict[str, int], overlap_swap: bool = False
+        self,
+        cost_model: CostModel,
+        bytes_per_block: int,
+        truth: dict[str, int],
+        overlap_swap: bool = False,
+        overhead: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.cost_model = cost_model
+        self.step_overhead_s, self.seq_overhead_s = overhead
         self.bytes_per_block = bytes_per_block
         self.truth = truth  # request id -> true output length (shared with the simulator)
         self.overlap_swap = overlap_swap
@@ -57,6 +65,8 @@ class SimulatedExecutor:
         swap_bytes = self._swap_bytes(plan)
         swap_s = self.cost_model.swap_time(swap_bytes)
         total = max(compute_s, swap_s) if self.overlap_swap else compute_s + swap_s
+        if shape.num_seqs:
+            total += self.step_overhead_s + self.seq_overhead_s * len(plan.num_scheduled_tokens)
         return StepResult(
             step_id=plan.step_id,
             sampled_token_ids=self._sample(plan),

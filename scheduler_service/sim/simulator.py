@@ -57,6 +57,10 @@ class SimConfig:
     queue_timeout_s: float | None = None
     max_waiting: int = 1_000_000
     overlap_swap: bool = False
+    # CPU time of the serving stack per step outside the model (scheduling, transport,
+    # streaming), as Vidur's optional CPU overheads: step_overhead_s + seq_overhead_s x seqs.
+    step_overhead_s: float = 0.0
+    seq_overhead_s: float = 0.0
     int8_swap: bool = False
     seed: int = 0
     progress: bool = False
@@ -98,7 +102,13 @@ class Simulation:
         self.cluster = self._build_cluster()
         bytes_per_block = cost_model.model.kv_bytes_per_token_per_gpu * config.block_size
         self.executors = {
-            w: SimulatedExecutor(cost_model, bytes_per_block, self.truth, config.overlap_swap)
+            w: SimulatedExecutor(
+                cost_model,
+                bytes_per_block,
+                self.truth,
+                config.overlap_swap,
+                overhead=(config.step_overhead_s, config.seq_overhead_s),
+            )
             for w in self.cluster.schedulers
         }
 
