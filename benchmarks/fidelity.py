@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from live_common import ROOT, spawn_worker
 
+from scheduler_service.costmodel.base import BatchShape
 from scheduler_service.costmodel.fitted import FittedCostModel
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
@@ -56,18 +57,17 @@ def make_profile(path: Path, threads: int) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
-def scaled_workload(args: argparse.Namespace, part: int = 0) -> Workload:
-    """Slice `part` of the trace (part 1 calibrates, part 0 is measured: different requests),
-    with prompt and output lengths scaled into the tiny model's range."""
-    n = args.num_requests
-    workload = load_trace(args.trace, num_requests=2 * n, seed=args.seed)
+def scaled_workload(args: argparse.Namespace, start: int, count: int) -> Workload:
+    """Requests [start, start + count) of the trace (the calibration slice follows the measured
+    one, so the two never share a request), lengths scaled into the tiny model's range."""
+    workload = load_trace(args.trace, num_requests=start + count, seed=args.seed)
     requests = [
         dataclasses.replace(
             r,
             prompt_tokens=max(1, min(args.max_prompt, round(r.prompt_tokens * args.prompt_scale))),
             output_tokens=max(2, min(args.max_output, r.output_tokens)),
         )
-        for r in workload.requests[part * n : (part + 1) * n]
+        for r in workload.requests[start : start + count]
     ]
     scaled = workload.derive(requests, f"lengths x{args.prompt_scale}, prompts <= {args.max_prompt}")
     return apply_arrivals(scaled, "poisson", rate=args.rate, seed=args.seed)
@@ -81,10 +81,11 @@ def live_config(args: argparse.Namespace) -> LiveConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_gpu_blocks=args.num_gpu_blocks,
         max_waiting=10_000,
+        record_step_shapes=True,
     )
 
 
-StepLog = list[tuple[int, float, float]]
+StepLog = list[tuple[int, float, float, BatchShape | None]]
 
 
 async def run_live(
@@ -101,12 +102,16 @@ async def run_live(
     return records, [s for loop in live.loops.values() for s in loop.step_log]
 
 
-def fit_overhead(steps: StepLog) -> tuple[float, float]:
-    """Least squares of the stack's own time per step (wall minus what the worker reports)
-    = a + b x sequences: the simulator's CPU-overhead model (Vidur models the same terms)."""
+def fit_overhead(steps: StepLog, cost_model: FittedCostModel) -> tuple[float, float]:
+    """Least squares of what a live step costs beyond the cost model's price for its shape
+    (scheduling, transport, streaming, and the worker's own serving overhead) = a + b x
+    sequences: the simulator's CPU-overhead model (Vidur models the same terms). Steps the
+    OS preempted (the slowest 5% of residuals) are left out: they are noise, not overhead."""
     seqs = np.array([s[0] for s in steps], dtype=float)
-    extra = np.array([s[1] - s[2] for s in steps])
-    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(seqs), seqs], axis=1), extra, rcond=None)
+    extra = np.array([wall - cost_model.iteration_time(shape) for _, wall, _, shape in steps])
+    keep = extra <= np.percentile(extra, 95)
+    design = np.stack([np.ones_like(seqs), seqs], axis=1)[keep]
+    (a, b), *_ = np.linalg.lstsq(design, extra[keep], rcond=None)
     return max(float(a), 0.0), max(float(b), 0.0)
 
 
@@ -171,7 +176,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
         f"workload: {args.trace}, {args.num_requests} requests, Poisson {args.rate} req/s, policy {args.policy}, "
         f"{args.workers} CPU worker(s) x {args.threads} thread(s), {args.num_gpu_blocks} KV blocks each",
         f"fitted cost model: step MAPE {result['fit_mape']:.1%} on its own profile",
-        f"CPU overhead model, calibrated on another slice of the trace: {a * 1e3:.3f} ms per step "
+        f"CPU overhead model, calibrated on the next {args.calibration_requests} requests of the trace: "
+        f"{a * 1e3:.3f} ms per step "
         f"+ {b * 1e3:.3f} ms per sequence",
         f"requests compared: {len(live)}",
         "",
@@ -210,12 +216,14 @@ async def main_async(args: argparse.Namespace, profile: Path) -> dict:
     ]
     addresses = [w.address for w in workers]
     try:
-        _, calibration_steps = await live_times(addresses, scaled_workload(args, part=1), args)
-        done, _ = await live_times(addresses, scaled_workload(args, part=0), args)
+        n = args.num_requests
+        calibration = scaled_workload(args, n, args.calibration_requests)
+        _, calibration_steps = await live_times(addresses, calibration, args)
+        done, _ = await live_times(addresses, scaled_workload(args, 0, n), args)
     finally:
         for w in workers:
             w.stop()
-    overhead = fit_overhead(calibration_steps)
+    overhead = fit_overhead(calibration_steps, cost_model)
     live = {r.request.request_id: (r.token_times[0] - r.sent_s, r.token_times[-1] - r.sent_s) for r in done}
     return {
         "live": live,
@@ -230,7 +238,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", help="an existing `sluice profile` JSON of tiny-llama on this machine")
     p.add_argument("--trace", default="azure-conv")
-    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--num-requests", type=int, default=40, help="requests compared")
+    p.add_argument("--calibration-requests", type=int, default=80, help="requests the overhead model is fitted on")
     p.add_argument("--rate", type=float, default=2.0)
     p.add_argument("--prompt-scale", type=float, default=0.25, help="prompt lengths are scaled by this")
     p.add_argument("--max-prompt", type=int, default=512)

@@ -32,7 +32,13 @@ from scheduler_service.costmodel.base import BatchShape, ModelSpec
 from scheduler_service.costmodel.profile_schema import StepSample, SwapSample, WorkerProfile
 from worker_service.engine import EngineConfig, LLMEngine, StepPlanError
 
-_GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+# NOTE: sampling is part of a step's cost (a softmax and a draw over the vocabulary cost as
+# much as a tiny model's forward): profile with what the served requests use. "random" is
+# the API's default (temperature 1.0).
+SAMPLING = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True),
+    "random": SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True, seed=0),
+}
 _MAX_SETUP_TOKENS = 2048  # setup prefills run in steps no larger than a live step
 
 
@@ -90,8 +96,9 @@ class StepFailed(RuntimeError):
 class PlanDriver:
     """Builds StepPlans for synthetic requests and runs them; owns the block ids."""
 
-    def __init__(self, engine: LLMEngine, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    def __init__(self, engine: LLMEngine, num_gpu_blocks: int, num_cpu_blocks: int, sampling: str = "random") -> None:
         self.engine = engine
+        self.sampling = SAMPLING[sampling]
         self.block_size = engine.info.block_size
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         engine.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
@@ -117,7 +124,7 @@ class PlanDriver:
         prompt = tuple(3 + (i * 7919) % (vocab - 3) for i in range(num_tokens))
         self.tables[rid] = self.take(self.free_gpu, _blocks(reserve_tokens, self.block_size))
         self.computed[rid] = 0
-        return NewRequestData(rid, prompt, num_tokens, _GREEDY, tuple(self.tables[rid]))
+        return NewRequestData(rid, prompt, num_tokens, self.sampling, tuple(self.tables[rid]))
 
     def release(self, rids: Sequence[str]) -> None:
         self.engine.release(list(rids))
@@ -305,10 +312,14 @@ def kv_capacity(engine: LLMEngine, grid: ProfileGrid, gpu_memory_utilization: fl
 
 
 def run_profile(
-    engine: LLMEngine, grid: ProfileGrid, gpu_memory_utilization: float = 0.9, progress: bool = True
+    engine: LLMEngine,
+    grid: ProfileGrid,
+    gpu_memory_utilization: float = 0.9,
+    progress: bool = True,
+    sampling: str = "random",
 ) -> tuple[WorkerProfile, list[str]]:
     """Measures every grid point; returns the profile and the labels of skipped points."""
-    driver = PlanDriver(engine, *kv_capacity(engine, grid, gpu_memory_utilization))
+    driver = PlanDriver(engine, *kv_capacity(engine, grid, gpu_memory_utilization), sampling=sampling)
     profile = WorkerProfile(
         model=model_spec(engine),
         device=device_name(engine),
@@ -362,6 +373,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="profile.json", help="WorkerProfile JSON to write")
     p.add_argument("--quick", action="store_true", help="a small grid (about a minute on a CPU)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--sampling", default="random", choices=sorted(SAMPLING), help="how profiled requests sample")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -377,7 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"profiling {config.model} on {config.device} ({torch.get_num_threads()} torch threads): {asdict(grid)}")
     start = time.perf_counter()
     engine = LLMEngine(config)
-    profile, skipped = run_profile(engine, grid, args.gpu_memory_utilization, progress=not args.no_progress)
+    profile, skipped = run_profile(
+        engine, grid, args.gpu_memory_utilization, progress=not args.no_progress, sampling=args.sampling
+    )
     profile.save(args.out)
     for line in skipped:
         print(f"skipped {line}")

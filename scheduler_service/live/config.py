@@ -24,3 +24,4 @@ class LiveConfig:
     swap_space_gib: float = 0.0  # host swap per worker; 0: the worker's own default
     gpu_memory_utilization: float = 0.0  # 0: the worker's own default
     tokenizer: str | None = None  # tokenizer.json for text prompts; None: the model's (as the worker)
+    record_step_shapes: bool = False  # keep each step's BatchShape in the loop's step log (calibration)

@@ -21,8 +21,10 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from scheduler_service.core.plan import StepResult
+from scheduler_service.core.plan import StepPlan, StepResult
+from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.costmodel.base import BatchShape
 from scheduler_service.live.remote import RemoteWorker, WarmupOptions, WorkerCapacity, WorkerLost
 
 if TYPE_CHECKING:
@@ -43,9 +45,10 @@ class WorkerLoop:
         self.wake = asyncio.Event()
         self.connected = True
         self.num_steps = 0
-        # (sequences, wall seconds of the whole step here, seconds the worker reported):
-        # what the simulator's CPU-overhead model is calibrated from.
-        self.step_log: deque[tuple[int, float, float]] = deque(maxlen=100_000)
+        # (sequences, wall seconds of the whole step here, seconds the worker reported, the
+        # step's BatchShape when `record_step_shapes`): what the simulator's CPU-overhead
+        # model is calibrated from.
+        self.step_log: deque[tuple[int, float, float, BatchShape | None]] = deque(maxlen=100_000)
         self.last_error = ""
         self._backoff_s = live.config.reconnect_min_s
 
@@ -100,13 +103,14 @@ class WorkerLoop:
         running = sched.running
         for rid in plan.num_scheduled_tokens:
             live.metrics.on_scheduled(running[rid])
+        shape = step_shape(plan, running) if live.config.record_step_shapes else None
         result = await self.remote.execute(plan)
         now = live.clock()
         out = sched.on_step_result(result, now)
         self.num_steps += 1
         live.deliver(out.tokens, now)
         live.settle(self.worker_id, out.finished + sched.pop_finished(), now)
-        self.step_log.append((len(plan.num_scheduled_tokens), time.perf_counter() - started, result.total_s))
+        self.step_log.append((len(plan.num_scheduled_tokens), time.perf_counter() - started, result.total_s, shape))
 
     # ------------------------------------------------------------------ failures
     async def _lose(self, why: str) -> None:
@@ -143,3 +147,16 @@ class WorkerLoop:
         self.last_error = ""
         self._backoff_s = cfg.reconnect_min_s
         self.live.worker_back(self.worker_id)
+
+
+def step_shape(plan: StepPlan, running: dict[str, Request]) -> BatchShape:
+    """What the worker computes in this step, as a cost model prices it (the simulated
+    executor derives the same shape from its own state)."""
+    shape = BatchShape()
+    for rid, n in plan.num_scheduled_tokens.items():
+        computed = running[rid].num_computed_tokens
+        if n == 1 and computed > 0:
+            shape.add_decode(computed + 1)
+        else:
+            shape.prefill_chunks.append((n, computed))
+    return shape
