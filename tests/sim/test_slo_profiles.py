@@ -22,8 +22,8 @@ class LinearCostModel(CostModel):
 
     name = "linear-test"
 
-    def __init__(self) -> None:  # no model or hardware: the formula is the whole model
-        pass
+    def __init__(self) -> None:
+        """No model or hardware: the formula is the whole model."""
 
     def iteration_time(self, shape: BatchShape) -> float:
         return 0.005 + 2e-4 * shape.num_prefill_tokens + 1e-4 * shape.num_decodes + 2e-8 * shape.decode_context_sum
