@@ -19,7 +19,7 @@ install: $(VENV)/.installed
 # The main job: the whole stack on CPU (scheduler + 2 workers with the tiny demo model), replaying
 # a slice of the real Azure conversation trace against itself, then the metrics table.
 demo: $(VENV)/.installed
-	$(BIN)/sluice serve --demo
+	$(BIN)/sluice serve --demo --port 0
 
 # The simulated comparison of the baselines on the real ShareGPT trace (table, JSON, plot).
 sim: $(VENV)/.installed
