@@ -21,7 +21,7 @@ sane, because a wrong id would silently corrupt another request's KV.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +30,10 @@ import torch
 
 from kvstore.paged import KVCacheSpec, PagedAttention, PagedKVCache, SeqChunk, build_metadata
 from scheduler_service.core.plan import KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
-from scheduler_service.core.sampling import InvalidRequestError, SamplingParams
+from scheduler_service.core.sampling import SamplingParams
 from worker_service.model import DenseAttention, load_model, resolve_config, resolve_dtype
 from worker_service.model.dummy import is_preset
+from worker_service.plan_check import PlanBook, StepPlanError
 from worker_service.sampler import Sampler, SamplingRow
 from worker_service.tokenizer import Tokenizer
 
@@ -76,16 +77,6 @@ class KVCapacity:
     peak_activation_bytes: int
 
 
-class StepPlanError(Exception):
-    """A malformed plan; raised before any state changes."""
-
-    def __init__(self, message: str, request_id: str = "", code: str = "INVALID_ARGUMENT") -> None:
-        super().__init__(f"{message} (request {request_id!r})" if request_id else message)
-        self.code = code
-        self.message = message
-        self.request_id = request_id
-
-
 @dataclass
 class RequestState:
     request_id: str
@@ -96,15 +87,6 @@ class RequestState:
     block_table: list[int] = field(default_factory=list)
     cpu_block_ids: list[int] = field(default_factory=list)  # where its KV sits while swapped out
     generator: torch.Generator | None = None
-
-
-@dataclass
-class _CheckedPlan:
-    """What `_check` computed: every table as it will be once the plan is applied."""
-
-    released: list[str]
-    gpu_tables: dict[str, list[int]]
-    cpu_tables: dict[str, list[int]]
 
 
 class LLMEngine:
@@ -127,6 +109,7 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, self.device, config.seed)
         self.cache: PagedKVCache | None = None
         self.requests: dict[str, RequestState] = {}
+        self.book = PlanBook(config.block_size, self.max_model_len, self.model_config.vocab_size)
 
     # -- public API ----------------------------------------------------------------------
 
@@ -163,6 +146,7 @@ class LLMEngine:
         self.cache = None
         self.requests.clear()
         self.cache = PagedKVCache(self.spec, num_gpu_blocks, num_cpu_blocks, self.device)
+        self.book.reset(num_gpu_blocks, num_cpu_blocks)
 
     def measure_kv_capacity(
         self, gpu_memory_utilization: float, swap_space_gib: float, max_num_batched_tokens: int
@@ -181,24 +165,27 @@ class LLMEngine:
         )
 
     def release(self, request_ids: Iterable[str]) -> list[str]:
-        released = []
-        for rid in request_ids:
-            if self.requests.pop(rid, None) is not None:
-                released.append(rid)
+        released = self.book.release(request_ids)
+        for rid in released:
+            del self.requests[rid]
         return released
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         t_start = time.perf_counter()
-        checked = self._check(plan)
-        self.release(checked.released)
+        if self.cache is None and (plan.num_scheduled_tokens or plan.kv_moves or plan.new_requests):
+            raise StepPlanError("the KV cache is not initialised (run Warmup first)", code="FAILED_PRECONDITION")
+        staged = self.book.check(plan)
+        self.release(plan.release_ids)
         self._admit(plan.new_requests)
         swap_s, swap_bytes = self._apply_moves(plan.kv_moves)
-        for rid, table in checked.gpu_tables.items():
-            self.requests[rid].block_table = table
-            self.requests[rid].cpu_block_ids = checked.cpu_tables[rid]
+        self.book.commit(staged)
+        for rid, entry in staged.states.items():
+            self.requests[rid].block_table = list(entry.gpu)
+            self.requests[rid].cpu_block_ids = list(entry.cpu)
         t_prepare = time.perf_counter()
         sampled, forward_s, prep2_s, sample_s = self._run_batch(plan)
+        self.book.advance(plan, sampled)
         total_s = self._sync_time() - t_start
         if plan.kv_moves and self.device.type == "cuda":
             # NOTE: host time only issues the copies; the blocking part is the GPU time
@@ -214,114 +201,6 @@ class LLMEngine:
             prepare_s=max(0.0, t_prepare - t_start - swap_s) + prep2_s,
             swap_bytes=swap_bytes,
         )
-
-    # -- validation ----------------------------------------------------------------------
-
-    def _check(self, plan: StepPlan) -> _CheckedPlan:
-        if self.cache is None and (plan.num_scheduled_tokens or plan.kv_moves or plan.new_requests):
-            raise StepPlanError("the KV cache is not initialised (run Warmup first)", code="FAILED_PRECONDITION")
-        released = [rid for rid in plan.release_ids if rid in self.requests]
-        live = {rid: r for rid, r in self.requests.items() if rid not in set(released)}
-        gpu = {rid: list(r.block_table) for rid, r in live.items()}
-        cpu = {rid: list(r.cpu_block_ids) for rid, r in live.items()}
-        known = {rid: len(r.token_ids) for rid, r in live.items()}
-        computed = {rid: r.num_computed_tokens for rid, r in live.items()}
-        for new in plan.new_requests:
-            self._check_new(new, gpu)
-            gpu[new.request_id], cpu[new.request_id] = list(new.block_ids), []
-            known[new.request_id], computed[new.request_id] = new.num_tokens, new.num_computed_tokens
-        self._check_cached(plan, gpu, computed)
-        for move in plan.kv_moves:
-            self._check_move(move, gpu, cpu)
-        self._check_ownership(gpu, self._cache.num_gpu_blocks if self.cache else 0, "GPU")
-        self._check_ownership(cpu, self._cache.num_cpu_blocks if self.cache else 0, "CPU")
-        self._check_scheduled(plan, gpu, known, computed)
-        return _CheckedPlan(released, gpu, cpu)
-
-    def _check_new(self, new: NewRequestData, gpu: Mapping[str, list[int]]) -> None:
-        rid = new.request_id
-        if rid in gpu:
-            raise StepPlanError("sent as new but already known to the worker", rid)
-        if len(new.prompt_token_ids) != new.num_tokens or not new.prompt_token_ids:
-            raise StepPlanError(
-                f"prompt_token_ids has {len(new.prompt_token_ids)} ids, num_tokens says {new.num_tokens}", rid
-            )
-        if not 0 <= new.num_computed_tokens <= new.num_tokens:
-            raise StepPlanError(f"num_computed_tokens {new.num_computed_tokens} outside [0, num_tokens]", rid)
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in new.prompt_token_ids):
-            raise StepPlanError(f"prompt_token_ids holds an id outside [0, {vocab})", rid)
-        try:
-            new.sampling.validate()
-        except InvalidRequestError as exc:
-            raise StepPlanError(str(exc), rid) from None
-
-    def _check_cached(self, plan: StepPlan, gpu: dict[str, list[int]], computed: Mapping[str, int]) -> None:
-        c = plan.cached_requests
-        if not len(c.new_block_ids) == len(c.resumed) == len(c.num_computed_tokens) == len(c):
-            raise StepPlanError("cached_requests columns differ in length")
-        for rid, new_ids, resumed, num_computed in zip(
-            c.request_ids, c.new_block_ids, c.resumed, c.num_computed_tokens, strict=True
-        ):
-            if rid not in gpu or rid in {n.request_id for n in plan.new_requests}:
-                raise StepPlanError("cached request unknown to the worker", rid)
-            if num_computed != computed[rid]:
-                raise StepPlanError(f"num_computed_tokens {num_computed} != worker's {computed[rid]}", rid)
-            gpu[rid] = list(new_ids) if resumed else gpu[rid] + list(new_ids)
-
-    def _check_move(self, move: KVMove, gpu: dict[str, list[int]], cpu: dict[str, list[int]]) -> None:
-        rid, src, dst = move.request_id, list(move.src_block_ids), list(move.dst_block_ids)
-        if rid not in gpu:
-            raise StepPlanError(f"KV move {move.kind.name} for an unknown request", rid)
-        if len(src) != len(dst):
-            raise StepPlanError(f"KV move {move.kind.name}: {len(src)} source blocks, {len(dst)} destinations", rid)
-        if move.kind is KVMoveKind.SWAP_OUT:
-            if src != gpu[rid]:
-                raise StepPlanError(f"swap-out sources {src} are not the request's block table {gpu[rid]}", rid)
-            if move.int8 and not self.spec.supports_int8:
-                raise StepPlanError(f"int8 swap needs block_size >= 8 at {self.dtype}", rid)
-            gpu[rid], cpu[rid] = [], cpu[rid] + dst
-        elif move.kind is KVMoveKind.SWAP_IN:
-            if not set(src) <= set(cpu[rid]) or not set(dst) <= set(gpu[rid]):
-                raise StepPlanError("swap-in must read the request's CPU blocks into its block table", rid)
-            cpu[rid] = [b for b in cpu[rid] if b not in set(src)]
-        elif move.kind is KVMoveKind.COPY:
-            self._check_ownership({rid: src}, self._cache.num_gpu_blocks, "GPU")
-            if not set(dst) <= set(gpu[rid]):
-                raise StepPlanError("copy destinations must be in the request's block table", rid)
-        else:
-            raise StepPlanError(f"unknown KV move kind {move.kind!r}", rid)
-
-    @staticmethod
-    def _check_ownership(tables: Mapping[str, list[int]], num_blocks: int, tier: str) -> None:
-        owner: dict[int, str] = {}
-        for rid, table in tables.items():
-            for b in table:
-                if not 0 <= b < num_blocks:
-                    raise StepPlanError(f"{tier} block {b} out of range [0, {num_blocks})", rid)
-                if b in owner:
-                    raise StepPlanError(f"{tier} block {b} given to both {owner[b]!r} and {rid!r}", rid)
-                owner[b] = rid
-
-    def _check_scheduled(
-        self, plan: StepPlan, gpu: Mapping[str, list[int]], known: Mapping[str, int], computed: Mapping[str, int]
-    ) -> None:
-        block_size = self.config.block_size
-        for rid, n in plan.num_scheduled_tokens.items():
-            if rid not in gpu:
-                raise StepPlanError("scheduled request unknown to the worker", rid)
-            end = computed[rid] + n
-            if n < 1 or end > known[rid]:
-                raise StepPlanError(f"schedules tokens [{computed[rid]}, {end}) but {known[rid]} are known", rid)
-            if end > self.max_model_len:
-                raise StepPlanError(f"{end} tokens exceed max_model_len {self.max_model_len}", rid)
-            if len(gpu[rid]) * block_size < end:
-                raise StepPlanError(f"{len(gpu[rid])} blocks cannot hold {end} tokens", rid)
-        for rid in plan.sample_ids:
-            if rid not in plan.num_scheduled_tokens:
-                raise StepPlanError("samples but is not scheduled", rid)
-            if computed[rid] + plan.num_scheduled_tokens[rid] != known[rid]:
-                raise StepPlanError("samples before the end of its known tokens", rid)
 
     # -- applying a plan -------------------------------------------------------------------
 

@@ -48,17 +48,17 @@ def test_prefill_then_decodes_give_non_eos_tokens(engine: EchoEngine) -> None:
     assert engine.requests["a"].num_computed_tokens == 9 and engine.gpu_owner == {0: "a", 1: "a", 2: "a"}
 
 
-@pytest.mark.parametrize(
-    ("bad", "message"),
-    [
-        (plan(2, {"zz": 1}, sample=["zz"]), "unknown"),
-        (plan(2, {"b": 4}, new=[new("b", 4, (1,))]), "given to both"),
-        (plan(2, {"b": 4}, new=[new("b", 4, (99,))]), "out of range"),
-        (plan(2, {"b": 8}, new=[new("b", 8, (5,))]), "cannot hold"),
-        (plan(2, {"b": 2}, sample=["b"], new=[new("b", 4, (5,))]), "before the end"),
-        (plan(2, {"a": 1}, sample=["a"], cached=CachedRequestData(("a",), ((),), (False,), (3,))), "computed"),
-    ],
-)
+BAD_PLANS = [
+    (plan(2, {"zz": 1}, sample=["zz"]), "unknown"),
+    (plan(2, {"b": 4}, new=[new("b", 4, (1,))]), "given to both"),
+    (plan(2, {"b": 4}, new=[new("b", 4, (99,))]), "out of range"),
+    (plan(2, {"b": 8}, new=[new("b", 8, (5,))]), "cannot hold"),
+    (plan(2, {"b": 2}, sample=["b"], new=[new("b", 4, (5,))]), "before the end"),
+    (plan(2, {"a": 1}, sample=["a"], cached=CachedRequestData(("a",), ((),), (False,), (3,))), "computed"),
+]
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD_PLANS)
 def test_a_bad_plan_is_refused_and_changes_nothing(engine: EchoEngine, bad: StepPlan, message: str) -> None:
     engine.execute(plan(1, {"a": 6}, sample=["a"], new=[new("a", 6, (0, 1))]))
     before = (dict(engine.gpu_owner), {k: (v.num_tokens, v.num_computed_tokens) for k, v in engine.requests.items()})
@@ -85,3 +85,19 @@ def test_release_frees_blocks_for_reuse(engine: EchoEngine) -> None:
     engine.execute(plan(2, {"b": 4}, sample=["b"], new=[new("b", 4, (1,))], release=["a"]))
     assert engine.gpu_owner == {1: "b"} and set(engine.requests) == {"b"}
     assert engine.release(["b", "b"]) == ["b"] and engine.num_requests == 0
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD_PLANS)
+def test_the_torch_engine_refuses_the_same_plans_with_the_same_words(bad: StepPlan, message: str) -> None:
+    from worker_service.engine import LLMEngine
+
+    echo = EchoEngine(EngineConfig(model="tiny-llama", block_size=4))
+    torch_engine = LLMEngine(EngineConfig(model="tiny-llama", load_format="dummy", block_size=4))
+    errors = []
+    for e in (echo, torch_engine):
+        e.init_kv_cache(16, 8)
+        e.execute(plan(1, {"a": 6}, sample=["a"], new=[new("a", 6, (0, 1))]))
+        with pytest.raises(StepPlanError, match=message) as info:
+            e.execute(bad)
+        errors.append((info.value.message, info.value.request_id))
+    assert errors[0] == errors[1]
