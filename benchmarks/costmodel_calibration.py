@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from pathlib import Path
 
 import matplotlib
@@ -147,6 +148,20 @@ def sarathi_table() -> None:
     print()
 
 
+def pricing_speed_table(calls: int = 20_000) -> None:
+    """The simulator prices every step: one mixed batch should cost microseconds (target 10 us)."""
+    print("### Pricing one mixed batch (2 prefill chunks + 40 decodes), microseconds per call\n")
+    print("| model | cost model | us per call |")
+    print("|---|---|---|")
+    shape = BatchShape(prefill_chunks=[(300, 500), (200, 0)], num_decodes=40, decode_context_sum=40 * 900)
+    for cm in pair("llama-2-70b", "a100-80g", tp=4):
+        start = time.perf_counter()
+        for _ in range(calls):
+            cm.iteration_time(shape)
+        print(f"| llama-2-70b TP4 | {cm.name} | {(time.perf_counter() - start) / calls * 1e6:.2f} |")
+    print()
+
+
 def plot(path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for (model, gpu), color in zip((("opt-13b", "a100-80g"), ("llama-2-7b", "a100-80g")), ("C0", "C1"), strict=True):
@@ -186,6 +201,7 @@ def main() -> None:
     mixed_table()
     pivot_table()
     sarathi_table()
+    pricing_speed_table()
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     plot(args.plot)
 

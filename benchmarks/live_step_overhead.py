@@ -9,18 +9,17 @@
     measured over `--steps` decode steps with all n requests running (after prefill), for
     n = 1 .. 256; the worker is a separate process (`sluice worker --engine echo`).
 
-The target is at most 5% of a 20 ms step at 256 sequences. The step message carries diffs
-(known requests by id, new block ids only when a block fills), so the table also prints
-its size next to what re-sending every request whole (all token ids and the block table)
-would cost.
+The target is at most 5% of a 20 ms step at 256 sequences. The step message carries diffs:
+known requests by id, new block ids only when a table grows, and in the steady decode state
+not even the ids (`same_scheduled_ids`; the worker answers tokens in step order). The table
+prints its size next to what re-sending every request whole (all token ids and the block
+table) would cost.
 
-`--trim-cached` measures one more step of diffing: today's plans list every scheduled
-known request in `cached_requests` (an empty block list and its computed-token count, a
-consistency check); trimmed, only requests with new blocks or a replaced table are listed,
-which both workers accept (they check the entries they are given). The trimming runs
-inside the timed build phase, so its cost is counted.
+`--rounds R` measures every size R times, interleaved, and reports the median over the
+rounds' medians: this machine's speed drifts by tens of percent from minute to minute, and
+interleaving keeps one slow minute from landing on one size.
 
-    python benchmarks/live_step_overhead.py [--sizes 1,4,16,64,128,256] [--steps 100]
+    python benchmarks/live_step_overhead.py [--sizes 1,4,16,64,128,256] [--steps 100] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import asyncio
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,7 +39,6 @@ from live_common import spawn_worker
 from kvstore.accounting import KVCacheManager
 from scheduler_service import policies  # noqa: F401  (registers the policies)
 from scheduler_service.core.metrics import MetricsRecorder
-from scheduler_service.core.plan import CachedRequestData, StepPlan
 from scheduler_service.core.policy import PolicyContext, build_policy
 from scheduler_service.core.request import Request
 from scheduler_service.core.sampling import SamplingParams
@@ -102,21 +100,6 @@ def add_requests(sched: Scheduler, n: int, max_tokens: int) -> None:
         assert sched.add_request(request, 0.0) is None
 
 
-def trim_cached(plan: StepPlan) -> StepPlan:
-    """The plan with only the cached entries that carry new blocks or a replaced table."""
-    c = plan.cached_requests
-    keep = [i for i, (b, r) in enumerate(zip(c.new_block_ids, c.resumed, strict=True)) if b or r]
-    if len(keep) == len(c):
-        return plan
-    cached = CachedRequestData(
-        tuple(c.request_ids[i] for i in keep),
-        tuple(c.new_block_ids[i] for i in keep),
-        tuple(c.resumed[i] for i in keep),
-        tuple(c.num_computed_tokens[i] for i in keep),
-    )
-    return replace(plan, cached_requests=cached)
-
-
 def whole_bytes(sched: Scheduler) -> int:
     """The step message if every running request were re-sent in full (ids and block table)."""
     msg = worker_pb2.ExecuteRequest(step_id=1)
@@ -138,7 +121,7 @@ def whole_bytes(sched: Scheduler) -> int:
     return msg.ByteSize()
 
 
-async def measure(address: str, n: int, steps: int, warmup: int, trim: bool = False) -> SizeResult:
+async def measure(address: str, n: int, steps: int, warmup: int) -> SizeResult:
     remote = RemoteWorker(0, address, step_timeout_s=30.0)
     await remote.connect(WarmupOptions(num_gpu_blocks=NUM_GPU_BLOCKS, swap_space_gib=0.0), 60.0)
     sched = make_scheduler(n)
@@ -151,8 +134,6 @@ async def measure(address: str, n: int, steps: int, warmup: int, trim: bool = Fa
             now = time.monotonic()
             t0 = time.perf_counter()
             plan = sched.schedule(now)
-            if trim:
-                plan = trim_cached(plan)
             t1 = time.perf_counter()
             result = await remote.execute(plan)
             t2 = time.perf_counter()
@@ -166,7 +147,7 @@ async def measure(address: str, n: int, steps: int, warmup: int, trim: bool = Fa
             if step <= warmup:
                 continue
             e0 = time.perf_counter()
-            msg = plan_to_proto(plan)
+            msg = plan_to_proto(plan, same_scheduled_ids=step > 1)  # as PlanSender sends a steady step
             encode = time.perf_counter() - e0
             rows["build"].append(t1 - t0)
             rows["encode"].append(encode)
@@ -207,12 +188,26 @@ def format_table(results: list[SizeResult]) -> str:
     return "\n".join(lines)
 
 
-async def main_async(sizes: list[int], steps: int, warmup: int, trim: bool) -> list[SizeResult]:
+def combine(rounds: list[SizeResult]) -> SizeResult:
+    """Median of every column over the rounds of one size."""
+    med = {f: statistics.median(getattr(r, f) for r in rounds) for f in SizeResult.__dataclass_fields__}
+    return SizeResult(**{**med, "n": rounds[0].n})
+
+
+async def main_async(sizes: list[int], steps: int, warmup: int, rounds: int) -> list[SizeResult]:
+    from tqdm import tqdm
+
     worker = spawn_worker(engine="echo")
+    by_size: dict[int, list[SizeResult]] = {n: [] for n in sizes}
     try:
-        return [await measure(worker.address, n, steps, warmup, trim) for n in sizes]
+        with tqdm(total=rounds * len(sizes), desc="step overhead", unit="size", leave=False) as bar:
+            for _ in range(rounds):
+                for n in sizes:
+                    by_size[n].append(await measure(worker.address, n, steps, warmup))
+                    bar.update()
     finally:
         worker.stop()
+    return [combine(by_size[n]) for n in sizes]
 
 
 def main() -> int:
@@ -220,18 +215,18 @@ def main() -> int:
     p.add_argument("--sizes", default="1,4,16,64,128,256")
     p.add_argument("--steps", type=int, default=100, help="measured decode steps per size")
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--trim-cached", action="store_true", help="send only cached entries with new blocks")
+    p.add_argument("--rounds", type=int, default=3, help="measure every size this many times, interleaved")
     p.add_argument("--markdown", help="also write the table here")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    results = asyncio.run(main_async(sizes, args.steps, args.warmup, args.trim_cached))
+    results = asyncio.run(main_async(sizes, args.steps, args.warmup, args.rounds))
     table = format_table(results)
     print(table)
     last = results[-1]
     verdict = "meets" if last.share <= TARGET_SHARE else "misses"
     smaller = last.whole_bytes / max(last.plan_bytes, 1)
     summary = (
-        f"\nat {last.n} sequences{' (cached entries trimmed)' if args.trim_cached else ''}: {last.total_ms:.2f} ms "
+        f"\nat {last.n} sequences (median of {args.rounds} rounds): {last.total_ms:.2f} ms "
         f"per step = {last.share:.1%} of a 20 ms step ({verdict} the {TARGET_SHARE:.0%} target); the plan is "
         f"{smaller:.0f}x smaller than re-sending whole requests"
     )

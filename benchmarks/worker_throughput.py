@@ -344,7 +344,7 @@ async def run_grpc(
 
         async def execute(plan: StepPlan) -> StepResult:
             await stream.write(plan_to_proto(plan))
-            return result_from_proto(await stream.read())
+            return result_from_proto(await stream.read(), plan)
 
         batcher = ContinuousBatcher(execute, engine.info.block_size, blocks, args.max_num_seqs, args.token_budget)
         wall_s, outputs = await batcher.run(workload, "ours over gRPC", progress)

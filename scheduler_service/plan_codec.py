@@ -9,6 +9,14 @@ become domain objects: every shape check that the dataclasses cannot express (co
 lengths, duplicate ids, enum values, sampling ranges) raises `InvalidRequestError` naming
 the proto field, which the worker turns into a `StepError` without touching its engine.
 
+One Execute stream carries a little state on each end (`PlanSender`, `PlanReceiver`): a
+step that schedules the same requests in the same order as the previous one (every
+steady decode step) sets `same_scheduled_ids` instead of listing the ids, and the worker
+answers its tokens in step order without the ids. At 256 decoding sequences that takes
+the two messages from about 1.9 kB to 0.5 kB and 0.4 kB, and the codec's Python work on
+both sides down by about half. The stateless functions below speak the full form, which
+every receiver also accepts.
+
 Fields the proto does not carry travel as follows: `StepPlan.worker_id` is the receiver's
 own id (given to `plan_from_proto`), `StepPlan.token_budget` rides in `metadata` under
 `TOKEN_BUDGET_KEY`, `NewRequestData.num_tokens` is the length of the prompt ids, and
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from itertools import compress
 
 from scheduler_service.core.plan import (
     CachedRequestData,
@@ -158,9 +167,10 @@ def _move_to_proto(move: KVMove) -> worker_pb2.KvMove:
     )
 
 
-def plan_to_proto(plan: StepPlan) -> worker_pb2.ExecuteRequest:
+def plan_to_proto(plan: StepPlan, *, same_scheduled_ids: bool = False) -> worker_pb2.ExecuteRequest:
+    """`same_scheduled_ids`: the caller knows the receiver's previous step scheduled the same
+    ids in the same order (PlanSender does), so they are left out."""
     scheduled = plan.num_scheduled_tokens
-    sample_ids = plan.sample_ids
     metadata = {str(k): str(v) for k, v in plan.metadata.items()}
     if plan.token_budget:
         metadata[TOKEN_BUDGET_KEY] = str(plan.token_budget)
@@ -168,12 +178,13 @@ def plan_to_proto(plan: StepPlan) -> worker_pb2.ExecuteRequest:
         step_id=plan.step_id,
         new_requests=[_new_request_to_proto(r) for r in plan.new_requests],
         cached_requests=_cached_to_proto(plan.cached_requests),
-        scheduled_ids=scheduled.keys(),
+        scheduled_ids=() if same_scheduled_ids else scheduled.keys(),
         num_scheduled_tokens=scheduled.values(),
-        sample=[rid in sample_ids for rid in scheduled],
+        sample=map(plan.sample_ids.__contains__, scheduled),
         release_ids=plan.release_ids,
         kv_moves=[_move_to_proto(m) for m in plan.kv_moves],
         metadata=metadata,
+        same_scheduled_ids=same_scheduled_ids,
     )
 
 
@@ -231,8 +242,18 @@ def _move_from_proto(index: int, msg: worker_pb2.KvMove) -> KVMove:
     return KVMove(kind, msg.request_id, tuple(msg.src_block_ids), tuple(msg.dst_block_ids), msg.int8)
 
 
-def _scheduled_from_proto(msg: worker_pb2.ExecuteRequest) -> tuple[dict[str, int], frozenset[str]]:
-    ids = msg.scheduled_ids
+def scheduled_ids_from_proto(msg: worker_pb2.ExecuteRequest, previous_ids: Sequence[str] | None) -> Sequence[str]:
+    """The step's scheduled ids: its own, or with `same_scheduled_ids` the previous step's."""
+    if not msg.same_scheduled_ids:
+        return msg.scheduled_ids
+    if msg.scheduled_ids:
+        raise InvalidRequestError("scheduled_ids", "must be empty when same_scheduled_ids is set")
+    if previous_ids is None:
+        raise InvalidRequestError("same_scheduled_ids", "no previous step on this stream to repeat the ids of")
+    return previous_ids
+
+
+def _scheduled_from_proto(msg: worker_pb2.ExecuteRequest, ids: Sequence[str]) -> tuple[dict[str, int], frozenset[str]]:
     if len(msg.num_scheduled_tokens) != len(ids):
         raise InvalidRequestError(
             "num_scheduled_tokens", f"has {len(msg.num_scheduled_tokens)} entries but scheduled_ids has {len(ids)}"
@@ -243,12 +264,17 @@ def _scheduled_from_proto(msg: worker_pb2.ExecuteRequest) -> tuple[dict[str, int
     if len(scheduled) != len(ids):
         duplicate = next(rid for rid, n in Counter(ids).items() if n > 1)
         raise InvalidRequestError("scheduled_ids", f"request {duplicate!r} is scheduled twice")
-    return scheduled, frozenset(rid for rid, s in zip(ids, msg.sample, strict=True) if s)
+    return scheduled, frozenset(compress(ids, msg.sample))
 
 
-def plan_from_proto(msg: worker_pb2.ExecuteRequest, worker_id: int = 0) -> StepPlan:
-    """Raises InvalidRequestError naming the field when the message is malformed."""
-    scheduled, sample_ids = _scheduled_from_proto(msg)
+def plan_from_proto(
+    msg: worker_pb2.ExecuteRequest, worker_id: int = 0, previous_ids: Sequence[str] | None = None
+) -> StepPlan:
+    """Raises InvalidRequestError naming the field when the message is malformed.
+
+    `previous_ids`: the scheduled ids of the previous step on the stream, for a message
+    with `same_scheduled_ids` (PlanReceiver keeps them)."""
+    scheduled, sample_ids = _scheduled_from_proto(msg, scheduled_ids_from_proto(msg, previous_ids))
     metadata = dict(msg.metadata)
     budget = metadata.pop(TOKEN_BUDGET_KEY, "0")
     return StepPlan(
@@ -265,6 +291,11 @@ def plan_from_proto(msg: worker_pb2.ExecuteRequest, worker_id: int = 0) -> StepP
     )
 
 
+def step_order(plan: StepPlan) -> list[str]:
+    """The plan's sampling requests in scheduled order: the order of step-ordered token ids."""
+    return list(filter(plan.sample_ids.__contains__, plan.num_scheduled_tokens))
+
+
 # ---------------------------------------------------------------- step result
 
 
@@ -276,12 +307,19 @@ def error_from_proto(msg: worker_pb2.StepError) -> StepError:
     return StepError(code=msg.code or "UNKNOWN", message=msg.message, request_id=msg.request_id)
 
 
-def result_to_proto(result: StepResult) -> worker_pb2.ExecuteResponse:
+def result_to_proto(result: StepResult, order: Sequence[str] | None = None) -> worker_pb2.ExecuteResponse:
+    """`order`: the step's sampling requests in scheduled order (`step_order`); when the
+    result sampled exactly those, the tokens go in that order without their ids."""
     sampled = result.sampled_token_ids
+    if order is not None and len(order) == len(sampled) and all(map(sampled.__contains__, order)):
+        ids: Sequence[str] = ()
+        tokens: Sequence[int] = list(map(sampled.__getitem__, order))
+    else:
+        ids, tokens = list(sampled), list(sampled.values())
     return worker_pb2.ExecuteResponse(
         step_id=result.step_id,
-        sampled_ids=sampled.keys(),
-        token_ids=sampled.values(),
+        sampled_ids=ids,
+        token_ids=tokens,
         timings=worker_pb2.StepTimings(
             prepare_s=result.prepare_s,
             forward_s=result.forward_s,
@@ -294,15 +332,24 @@ def result_to_proto(result: StepResult) -> worker_pb2.ExecuteResponse:
     )
 
 
-def result_from_proto(msg: worker_pb2.ExecuteResponse) -> StepResult:
-    if len(msg.token_ids) != len(msg.sampled_ids):
-        raise InvalidRequestError(
-            "token_ids", f"has {len(msg.token_ids)} entries but sampled_ids has {len(msg.sampled_ids)}"
-        )
+def result_from_proto(msg: worker_pb2.ExecuteResponse, plan: StepPlan | None = None) -> StepResult:
+    """`plan`: the step this answers, needed when the tokens come in step order (no ids)."""
+    if msg.sampled_ids or not msg.token_ids:
+        ids: Sequence[str] = msg.sampled_ids
+        if len(msg.token_ids) != len(ids):
+            raise InvalidRequestError("token_ids", f"has {len(msg.token_ids)} entries but sampled_ids has {len(ids)}")
+    elif plan is None:
+        raise InvalidRequestError("sampled_ids", "is empty, and step-ordered token_ids need the step's plan")
+    else:
+        ids = step_order(plan)
+        if len(msg.token_ids) != len(ids):
+            raise InvalidRequestError(
+                "token_ids", f"has {len(msg.token_ids)} entries but step {plan.step_id} sampled {len(ids)} requests"
+            )
     t = msg.timings
     return StepResult(
         step_id=msg.step_id,
-        sampled_token_ids=dict(zip(msg.sampled_ids, msg.token_ids, strict=True)),
+        sampled_token_ids=dict(zip(ids, msg.token_ids, strict=True)),
         total_s=t.total_s,
         forward_s=t.forward_s,
         swap_s=t.swap_s,
@@ -316,3 +363,56 @@ def result_from_proto(msg: worker_pb2.ExecuteResponse) -> StepResult:
 def error_result(step_id: int, code: str, message: str, request_id: str = "") -> StepResult:
     """A failed step: no request advanced."""
     return StepResult(step_id=step_id, sampled_token_ids={}, total_s=0.0, error=StepError(code, message, request_id))
+
+
+# ---------------------------------------------------------------- one stream's ends
+
+
+class PlanSender:
+    """The scheduler's end of one Execute stream (one per stream; a new stream starts empty)."""
+
+    def __init__(self) -> None:
+        self._last_ids: list[str] | None = None
+
+    def encode(self, plan: StepPlan) -> worker_pb2.ExecuteRequest:
+        ids = list(plan.num_scheduled_tokens)
+        same = bool(ids) and ids == self._last_ids
+        self._last_ids = ids
+        return plan_to_proto(plan, same_scheduled_ids=same)
+
+    def decode(self, msg: worker_pb2.ExecuteResponse, plan: StepPlan) -> StepResult:
+        try:
+            result = result_from_proto(msg, plan)
+        except ValueError:
+            self._last_ids = None
+            raise
+        if result.error is not None:
+            # NOTE: the worker may not have decoded that step (and then has no ids to
+            # repeat); the next step lists its ids in full, which every worker accepts.
+            self._last_ids = None
+        return result
+
+
+class PlanReceiver:
+    """The worker's end of one Execute stream: the previous step's ids and sampling order."""
+
+    def __init__(self, worker_id: int = 0) -> None:
+        self.worker_id = worker_id
+        self._previous: list[str] | None = None
+        self._order: list[str] = []
+
+    def decode(self, msg: worker_pb2.ExecuteRequest) -> StepPlan:
+        """Raises InvalidRequestError naming the field; the stream then has no previous step."""
+        previous, self._previous, self._order = self._previous, None, []
+        plan = plan_from_proto(msg, self.worker_id, previous)
+        self._previous = previous if msg.same_scheduled_ids else list(plan.num_scheduled_tokens)
+        self._order = step_order(plan)
+        return plan
+
+    def forget(self) -> None:
+        """A step answered without being decoded (the engine is not ready)."""
+        self._previous, self._order = None, []
+
+    def encode(self, result: StepResult) -> worker_pb2.ExecuteResponse:
+        """The answer to the step decoded last."""
+        return result_to_proto(result, self._order)

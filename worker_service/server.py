@@ -1,16 +1,18 @@
 """The worker's gRPC face: `sluice.v1.WorkerService` over one `LLMEngine`.
 
-    scheduler --ExecuteRequest--> plan_from_proto --> StepPlan --engine thread--> engine.execute
-    scheduler <-ExecuteResponse-- result_to_proto <-- StepResult <------------------'
+    scheduler --ExecuteRequest--> plan_from_proto --> StepPlan --EngineRunner.step--> engine.execute
+    scheduler <-ExecuteResponse-- result_to_proto <-- StepResult <---------------------'
 
-Every servicer method is thin: proto -> domain object -> engine -> proto. The engine runs
-in one dedicated thread (`EngineRunner`), so the event loop keeps answering health checks
-and keepalive pings during a long step, and engine calls never interleave even when two
-streams are open. A plan that fails to decode or that the engine rejects (`StepPlanError`)
-is answered with `ExecuteResponse.error` and the stream carries on; any other exception
-means the engine state may be half-applied, so the engine is marked failed: that step is
-answered INTERNAL, later ones UNAVAILABLE, and both health services report NOT_SERVING,
-which tells the scheduler to re-queue the worker's requests elsewhere.
+Every servicer method is thin: proto -> domain object -> engine -> proto. `EngineRunner`
+serializes engine calls (they never interleave, even when two streams are open) and picks
+where a step runs: on the event loop when it is predicted short, on the engine thread when
+it is not, so health checks are still answered during a long CPU prefill.
+
+A plan that fails to decode or that the engine rejects (`StepPlanError`) is answered with
+`ExecuteResponse.error` and the stream carries on; any other exception means the engine
+state may be half-applied, so the engine is marked failed: that step is answered INTERNAL,
+later ones UNAVAILABLE, and both health services report NOT_SERVING, which tells the
+scheduler to re-queue the worker's requests elsewhere.
 
 Warmup sizes the KV cache (measured, or exactly `num_gpu_blocks_override` blocks), builds
 it and runs one real step; request fields left at zero take the worker's flags
@@ -24,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
@@ -42,7 +45,7 @@ from opentelemetry.trace import StatusCode
 
 from scheduler_service.core.plan import CachedRequestData, NewRequestData, StepPlan, StepResult
 from scheduler_service.core.sampling import InvalidRequestError, SamplingParams
-from scheduler_service.plan_codec import SERVER_OPTIONS, error_result, plan_from_proto, result_to_proto
+from scheduler_service.plan_codec import SERVER_OPTIONS, PlanReceiver, error_result, result_to_proto
 from sluice.common.telemetry import (
     TraceparentTable,
     grpc_server_interceptors,
@@ -108,16 +111,31 @@ def warmup_params(request: worker_pb2.WarmupRequest, defaults: WarmupDefaults) -
     )
 
 
-class EngineRunner:
-    """The engine, the one thread that runs it, and whether it is usable.
+# Steps predicted to take at most this long run on the event loop (see EngineRunner).
+INLINE_STEP_S = 0.05
 
-    NOTE: a single-thread executor is the serialization: a cancelled client stops waiting
-    for its step, but the step still finishes before the next engine call starts.
+
+class EngineRunner:
+    """The engine, the lock that serializes calls into it, and whether it is usable.
+
+    NOTE: a step predicted to end within INLINE_STEP_S runs on the event loop itself. The
+    hop to a thread and back costs about 85 us (two cross-thread wake-ups), which was a
+    third of the worker's whole handling of a 256-sequence step, and during a step the loop
+    has nothing to do but answer health probes, which then wait one short step at most.
+    The prediction is the last step's seconds per scheduled token times this step's tokens;
+    it over-estimates steps that grow (a step's fixed cost is spread over fewer tokens), so
+    a doubtful step goes to the thread. With no history yet (the first step of a session)
+    and for Warmup's measurement, the engine thread runs it.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-engine")
+        self._lock = asyncio.Lock()
+        self._seconds_per_token: float | None = None
+        self._busy: Future[Any] | None = None
+        self.inline_steps = 0
+        self.thread_steps = 0
         self.warmed_up = False
         self.failure = ""  # why the engine stopped being usable; empty while it works
 
@@ -132,7 +150,51 @@ class EngineRunner:
         return "" if self.warmed_up else "worker is not warmed up: call Warmup first"
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        """`fn(*args)` on the engine thread, after any engine call in progress."""
+        async with self._lock:
+            await self._thread_done()
+            return await self._on_thread(fn, *args)
+
+    async def call_inline(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the event loop (cheap bookkeeping), after any engine call in progress."""
+        async with self._lock:
+            await self._thread_done()
+            return fn(*args)
+
+    def predicts_inline(self, num_tokens: int) -> bool:
+        per_token = self._seconds_per_token
+        return per_token is not None and per_token * num_tokens <= INLINE_STEP_S
+
+    async def step(self, plan: StepPlan) -> StepResult:
+        num_tokens = max(plan.total_num_scheduled_tokens, 1)
+        async with self._lock:
+            await self._thread_done()
+            start = time.perf_counter()
+            if self.predicts_inline(num_tokens):
+                self.inline_steps += 1
+                result = self.engine.execute(plan)
+            else:
+                self.thread_steps += 1
+                result = await self._on_thread(self.engine.execute, plan)
+            self._seconds_per_token = (time.perf_counter() - start) / num_tokens
+        return result
+
+    async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        # NOTE: shielded: a caller that stops waiting (its stream was cancelled) must not
+        # cancel a call the thread may already be running; `_thread_done` waits for it.
+        self._busy = self._thread.submit(fn, *args)
+        return await asyncio.shield(asyncio.wrap_future(self._busy))
+
+    async def _thread_done(self) -> None:
+        """Waits until the thread is idle: a cancelled caller released the lock, not the engine."""
+        busy = self._busy
+        if busy is not None and not busy.done():
+            with contextlib.suppress(Exception):  # its own caller was the one to hear of a failure
+                await asyncio.shield(asyncio.wrap_future(busy))
+
+    def forget_history(self) -> None:
+        """After Warmup: a new KV cache (and maybe a new batch shape), so no prediction yet."""
+        self._seconds_per_token = None
 
 
 def _warm_plan(engine: LLMEngine) -> StepPlan:
@@ -236,6 +298,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         except Exception as exc:
             log.exception("warmup failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"warmup failed: {type(exc).__name__}: {exc}")
+        self.runner.forget_history()
         self.runner.warmed_up = True
         await self._publish_readiness()
         log.info("warmed up: %d GPU blocks, %d CPU blocks", num_gpu, num_cpu)
@@ -253,13 +316,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     ) -> AsyncIterator[worker_pb2.ExecuteResponse]:
         # NOTE: an async generator (not context.write) so OpenTelemetry's aio interceptor
         # can wrap this handler later (opentelemetry-python-contrib #3066).
+        receiver = PlanReceiver(self.worker_id)
         async for msg in request_iterator:
-            yield await self._step(msg)
+            yield await self._step(msg, receiver)
 
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseResponse:
-        released = await self.runner.call(self.runner.engine.release, list(request.request_ids))
+        released = await self.runner.call_inline(self.runner.engine.release, list(request.request_ids))
         self.traceparents.forget(released)
         return worker_pb2.ReleaseResponse(released_ids=released)
 
@@ -272,18 +336,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_requests=self.runner.engine.num_requests,
         )
 
-    async def _step(self, msg: worker_pb2.ExecuteRequest) -> worker_pb2.ExecuteResponse:
+    async def _step(self, msg: worker_pb2.ExecuteRequest, receiver: PlanReceiver) -> worker_pb2.ExecuteResponse:
         received = time.perf_counter()
         if not self.runner.ready:
+            receiver.forget()
             return result_to_proto(error_result(msg.step_id, "UNAVAILABLE", self.runner.not_ready_reason))
         try:
-            plan = plan_from_proto(msg, self.worker_id)
+            plan = receiver.decode(msg)
         except (ValueError, TypeError) as exc:  # InvalidRequestError names the field; others come from the dataclasses
             return result_to_proto(error_result(msg.step_id, "INVALID_ARGUMENT", str(exc)))
         result = await self._execute_traced(plan)
         if result.error is None:
             result = replace(result, total_s=time.perf_counter() - received)
-        return result_to_proto(result)
+        return receiver.encode(result)
 
     async def _execute_traced(self, plan: StepPlan) -> StepResult:
         """The step inside a span linked to the spans of the requests it advances (sluice.common.telemetry);
@@ -300,7 +365,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def _execute(self, plan: StepPlan) -> StepResult:
         try:
-            return await self.runner.call(self.runner.engine.execute, plan)
+            return await self.runner.step(plan)
         except StepPlanError as exc:
             return error_result(plan.step_id, exc.code, exc.message, exc.request_id or "")
         except Exception as exc:
@@ -325,10 +390,15 @@ def build_server(
     worker_id: int = 0,
     defaults: WarmupDefaults | None = None,
     health_servicer: health.aio.HealthServicer | None = None,
+    runner: EngineRunner | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """An unstarted aio server with the worker, health and reflection services; port 0 picks one."""
+    """An unstarted aio server with the worker, health and reflection services; port 0 picks one.
+
+    `runner`: one already wrapping `engine` (whoever passes it can read its step counts)."""
     health_servicer = health_servicer or health.aio.HealthServicer()
-    runner = EngineRunner(engine)
+    runner = runner or EngineRunner(engine)
+    if runner.engine is not engine:
+        raise ValueError("runner wraps a different engine")
     servicer = WorkerServicer(runner, health_servicer, worker_id, defaults or WarmupDefaults())
     # NOTE: the OpenTelemetry interceptor only when tracing is set up (it costs an extra
     # async-generator hop per streamed message); step spans link to requests either way.

@@ -2,7 +2,7 @@
 
     connect():      Info (model, limits, EOS) -> Warmup (KV capacity in blocks) -> Health
                     -> open the Execute stream
-    execute(plan):  plan_to_proto -> stream.write -> stream.read (step timeout) -> result_from_proto
+    execute(plan):  PlanSender.encode -> stream.write -> stream.read (step timeout) -> PlanSender.decode
     close():        cancel the stream, close the channel
 
 One step is in flight per stream, answered in order. A transport error, a closed stream, a
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from scheduler_service.core.plan import StepPlan, StepResult
-from scheduler_service.plan_codec import CHANNEL_OPTIONS, plan_to_proto, result_from_proto
+from scheduler_service.plan_codec import CHANNEL_OPTIONS, PlanSender
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 
 # Step errors after which the worker's engine cannot go on (the worker's server answers
@@ -73,6 +73,7 @@ class RemoteWorker:
         self.step_timeout_s = step_timeout_s
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
+        self._sender = PlanSender()
 
     async def connect(self, options: WarmupOptions, timeout_s: float, *, wait: bool = True) -> WorkerCapacity:
         """Dials the worker, warms it up (its KV cache is rebuilt empty) and opens the step stream.
@@ -93,6 +94,7 @@ class RemoteWorker:
             await self.close()
             raise WorkerLost(f"worker {self.address} is not serving after warmup: {health.message}")
         self._call = stub.Execute()
+        self._sender = PlanSender()
         return WorkerCapacity(
             model=info.model,
             max_model_len=info.max_model_len,
@@ -111,7 +113,7 @@ class RemoteWorker:
             # NOTE: one deadline for the round trip, without wait_for's extra task per await
             # (cheaper per step, and it cannot swallow a cancellation).
             async with asyncio.timeout(self.step_timeout_s):
-                await self._call.write(plan_to_proto(plan))
+                await self._call.write(self._sender.encode(plan))
                 response = await self._call.read()
         except TimeoutError as exc:
             raise WorkerLost(f"worker {self.address}: step {plan.step_id} took over {self.step_timeout_s} s") from exc
@@ -120,7 +122,7 @@ class RemoteWorker:
         if response is grpc.aio.EOF:
             raise WorkerLost(f"worker {self.address} closed the step stream")
         try:
-            result = result_from_proto(response)
+            result = self._sender.decode(response, plan)
         except ValueError as exc:
             why = f"answered step {plan.step_id} with a malformed result: {exc}"
             raise WorkerLost(f"worker {self.address} {why}") from exc

@@ -159,7 +159,7 @@ class KvMove(_message.Message):
     def __init__(self, kind: _Optional[_Union[KvMoveKind, str]] = ..., request_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., int8: _Optional[bool] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_ids", "num_scheduled_tokens", "sample", "release_ids", "kv_moves", "metadata")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_ids", "num_scheduled_tokens", "sample", "release_ids", "kv_moves", "metadata", "same_scheduled_ids")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class ExecuteRequest(_message.Message):
     RELEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_MOVES_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    SAME_SCHEDULED_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: CachedRequests
@@ -185,7 +186,8 @@ class ExecuteRequest(_message.Message):
     release_ids: _containers.RepeatedScalarFieldContainer[str]
     kv_moves: _containers.RepeatedCompositeFieldContainer[KvMove]
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., release_ids: _Optional[_Iterable[str]] = ..., kv_moves: _Optional[_Iterable[_Union[KvMove, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    same_scheduled_ids: bool
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., release_ids: _Optional[_Iterable[str]] = ..., kv_moves: _Optional[_Iterable[_Union[KvMove, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., same_scheduled_ids: _Optional[bool] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message", "request_id")

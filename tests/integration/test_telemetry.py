@@ -206,7 +206,7 @@ async def test_worker_step_spans_link_to_the_request_span_across_grpc(
         call = stub.Execute()
         for p in plans:
             await call.write(plan_to_proto(p))
-            result = result_from_proto(await call.read())
+            result = result_from_proto(await call.read(), p)
             assert result.error is None, result.error
         await call.done_writing()
         assert await call.read() is grpc.aio.EOF
@@ -250,7 +250,7 @@ async def test_released_requests_stop_being_linked(
     call = stub.Execute()
     for p in (step_plan(1, {"short": 4}, ("short",), new=[new]), release):
         await call.write(plan_to_proto(p))
-        assert result_from_proto(await call.read()).error is None
+        assert result_from_proto(await call.read(), p).error is None
     await call.done_writing()
     await call.read()
     rt.finish({})

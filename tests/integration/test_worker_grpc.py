@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from scheduler_service.core.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
 from scheduler_service.core.sampling import SamplingParams
-from scheduler_service.plan_codec import CHANNEL_OPTIONS, plan_to_proto, result_from_proto
+from scheduler_service.plan_codec import CHANNEL_OPTIONS, PlanSender, plan_to_proto, result_from_proto
 from sluice.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine
 from worker_service.server import SERVICE_NAME, WarmupParams, build_kv_cache, build_server, shutdown, start_health
@@ -69,19 +69,30 @@ async def worker(engine: LLMEngine) -> AsyncIterator[Worker]:
 
 
 class StepStream:
-    """One Execute stream: write a plan, read its answer (one step in flight)."""
+    """One Execute stream: write a plan, read its answer (one step in flight), as the
+    scheduler's RemoteWorker does (a PlanSender leaves out repeated scheduled ids)."""
 
     def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
         self.call = stub.Execute()
+        self.sender = PlanSender()
+        self.sent: list[worker_pb2.ExecuteRequest] = []
+        self.answers: list[worker_pb2.ExecuteResponse] = []
 
-    async def send(self, msg: worker_pb2.ExecuteRequest) -> StepResult:
+    async def _round_trip(self, msg: worker_pb2.ExecuteRequest) -> worker_pb2.ExecuteResponse:
+        self.sent.append(msg)
         await self.call.write(msg)
         response = await self.call.read()
         assert response is not grpc.aio.EOF, "the worker closed the step stream"
-        return result_from_proto(response)
+        self.answers.append(response)
+        return response
+
+    async def send(self, msg: worker_pb2.ExecuteRequest) -> StepResult:
+        """A hand-made message; the sender forgets what it sent (the next step lists its ids)."""
+        self.sender = PlanSender()
+        return result_from_proto(await self._round_trip(msg))
 
     async def step(self, plan: StepPlan) -> StepResult:
-        return await self.send(plan_to_proto(plan))
+        return self.sender.decode(await self._round_trip(self.sender.encode(plan)), plan)
 
     async def close(self) -> None:
         await self.call.done_writing()
@@ -221,6 +232,28 @@ async def test_plans_over_grpc_sample_the_same_tokens_as_the_engine_directly(
         assert got.total_s >= got.forward_s > 0
 
     assert got.sampled_token_ids.keys() == {"a", "b"}
+    # Steady decode steps left their ids out, and every answer came in step order.
+    repeated = [m.step_id for m in stream.sent if m.same_scheduled_ids]
+    assert repeated == [*range(3, 14), 16, 17, 18]  # step 3 schedules a and b, as step 2 did
+    assert all(not m.scheduled_ids for m in stream.sent if m.same_scheduled_ids)
+    assert not any(r.sampled_ids for r in stream.answers)
+    await stream.close()
+
+
+async def test_repeated_ids_without_a_previous_step_are_refused_naming_the_field(worker: Worker) -> None:
+    await worker.warmup()
+    stream = StepStream(worker.stub)
+    first, second, third = opening_plans()
+    orphan = plan_to_proto(first, same_scheduled_ids=True)
+    bad = await stream.send(orphan)
+    assert bad.error is not None and bad.error.code == "INVALID_ARGUMENT"
+    assert "same_scheduled_ids" in bad.error.message
+    for p in (first, second, third):
+        assert (await stream.step(p)).error is None, f"step {p.step_id} after the refused one"
+    both = plan_to_proto(next(decode_plans(4, 1)), same_scheduled_ids=True)
+    both.scheduled_ids.extend(["a", "b"])
+    bad = await stream.send(both)
+    assert bad.error is not None and "scheduled_ids: must be empty" in bad.error.message
     await stream.close()
 
 
