@@ -206,6 +206,7 @@ class Scheduler:
         running = self.running
         sampled = result.sampled_token_ids
         decoding = RequestStatus.DECODING
+        max_model_len = self.config.max_model_len
         for rid, n in plan.num_scheduled_tokens.items():
             req = running.get(rid)
             if req is None:  # aborted while the step ran
@@ -222,9 +223,18 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             tokens.append((req, token))
-            stop = self._stop_status(req, token)
-            if stop is not None:
-                self._finish(req, stop, now)
+            out = req.num_output_tokens
+            # NOTE: the cheap tests first; _stop_status decides (min_tokens, ignore_eos) only
+            # for the one token in many that could end its request.
+            if (
+                out >= req.max_tokens
+                or req.num_prompt_tokens + out >= max_model_len
+                or token in req.eos_token_ids
+                or token in req.sampling.stop_token_ids
+            ):
+                stop = self._stop_status(req, token)
+                if stop is not None:
+                    self._finish(req, stop, now)
         if plan.num_scheduled_tokens:
             self.metrics.on_step(self.worker_id, plan, result, now, self.kv)
         self.policy.on_step_result(plan, result, now)

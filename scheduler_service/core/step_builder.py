@@ -9,7 +9,7 @@ scheduler's sets and record the KV moves the worker must execute.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 from kvstore.accounting import AllocationMode, required_tokens
@@ -113,6 +113,48 @@ class StepBuilder:
         budget.num_seqs += 1
         self.scheduled[rid] = num_tokens
         return True
+
+    def schedule_covered(self, queue: deque[Request], *, chunk_to_budget: bool = False) -> Request | None:
+        """Pops running requests from the left of `queue` and schedules each for all the tokens
+        it has to compute while its blocks already cover them and the budget has room; returns
+        the first request that needs more (popped, nothing done to it: the caller schedules it
+        with `schedule` and whatever preemption its policy does), or None once the queue is
+        empty. `chunk_to_budget`: at most what is left of the token budget each (chunked
+        prefill); a request that would get no tokens is passed over.
+
+        NOTE: the decode loop of every continuous-batching policy, once per running request
+        per step; a request whose table covers its step (15 decodes in 16 with 16-token
+        blocks) is charged here without the general path's calls and lookups. Decisions are
+        exactly those of calling `schedule` on each in turn."""
+        if not self._block_mode:
+            return queue.popleft() if queue else None
+        budget, scheduled, tables, block_size = self.budget, self.scheduled, self._tables, self._block_size
+        running = (RequestStatus.DECODING, RequestStatus.PREFILLING)
+        while queue:
+            req = queue.popleft()
+            computed = req.num_computed_tokens
+            n = req.num_prompt_tokens + req.num_output_tokens - computed
+            if chunk_to_budget:
+                n = min(n, budget.max_tokens - budget.num_tokens)
+                if n <= 0:
+                    continue
+            rid = req.request_id
+            table = tables.get(rid)
+            if (
+                n > 0
+                and req.status in running
+                and rid not in scheduled
+                and table is not None
+                and len(table) * block_size >= computed + n
+                and budget.num_tokens + n <= budget.max_tokens
+                and budget.num_seqs < budget.max_seqs
+            ):
+                budget.num_tokens += n
+                budget.num_seqs += 1
+                scheduled[rid] = n
+                continue
+            return req
+        return None
 
     def unschedule(self, request: Request) -> None:
         """Takes a request out of this step (its blocks stay allocated)."""

@@ -62,12 +62,10 @@ class ChunkedPrefillPolicy(Policy):
         running = victim_order(list(step.running.values()), self.config.priority)
         # Decodes first, then ongoing prefills; victims come off the right end (newest prefills).
         queue = deque([r for r in running if not r.is_prefill] + [r for r in running if r.is_prefill])
-        while queue:
-            req = queue.popleft()
-            n = 1 if not req.is_prefill else min(req.num_tokens_to_compute, step.budget.remaining_tokens)
-            if n <= 0:
-                continue
-            schedule_with_preemption(step, req, n, queue, mode)
+        while (req := step.schedule_covered(queue, chunk_to_budget=True)) is not None:
+            n = min(req.num_tokens_to_compute, step.budget.remaining_tokens)
+            if n > 0:
+                schedule_with_preemption(step, req, n, queue, mode)
         if not step.num_preempted:
             swap_in_fcfs(step, self.ctx.max_num_seqs)
         if not step.swapped:

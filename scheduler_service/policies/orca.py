@@ -38,8 +38,7 @@ class OrcaPolicy(Policy):
     def schedule(self, step: StepBuilder, now: float) -> None:
         mode = preemption_mode(self.config)
         queue = deque(step.running.values())
-        while queue:
-            req = queue.popleft()
+        while (req := step.schedule_covered(queue)) is not None:
             schedule_with_preemption(step, req, req.num_tokens_to_compute, queue, mode)
         for req in list(step.waiting.values()):
             if len(step.running) >= self.config.max_batch_size:

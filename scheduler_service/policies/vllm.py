@@ -66,10 +66,7 @@ class VLLMPolicy(Policy):
         # NOTE: one deque serves as both the work list (from the left) and the victim list
         # (from the right), as in vLLM: victims are always the newest unprocessed requests.
         queue = deque(victim_order(list(step.running.values()), self.config.priority))
-        while queue:
-            req = queue.popleft()
+        while (req := step.schedule_covered(queue)) is not None:
             n = req.num_tokens_to_compute
-            if step.schedule(req, n):
-                continue
             if not schedule_with_preemption(step, req, n, queue, mode) and not step.budget.can_fit(n):
                 break

@@ -214,3 +214,45 @@ def test_metrics_summary_has_exactly_the_design_keys() -> None:
     assert summary["num_finished"] == 3 and summary["num_requests"] == 3
     assert summary["ttft_s"]["p50"] is not None and summary["throughput_tok_s"] > 0
     sched.assert_empty()
+
+
+def _decoding(num: int, prompt_lens: list[int]):  # type: ignore[no-untyped-def]
+    """A scheduler with `num` requests decoding (block size 4), prompts of the given lengths."""
+    sched = make_scheduler("vllm", max_num_batched_tokens=128)
+    for i in range(num):
+        sched.add_request(make_request(f"r{i}", prompt_lens[i], 50), 0.0)
+    step(sched, 0.0)  # all prefilled in one step; each sampled its first token
+    return sched
+
+
+def test_schedule_covered_charges_covered_decodes_and_hands_back_the_first_needing_a_block() -> None:
+    from collections import deque
+
+    # After the prefill each decode computes token prompt+1: r0's 6th fits its 2 blocks, r1's
+    # 9th needs a third block, r2's 3rd fits its one block.
+    sched = _decoding(3, [5, 8, 2])
+    tables_before = {rid: list(t) for rid, t in sched.kv.gpu_tables.items()}
+    builder = _builder(sched)
+    queue = deque(sched.running.values())
+    back = builder.schedule_covered(queue)
+    assert back is sched.running["r1"] and [r.request_id for r in queue] == ["r2"]
+    assert builder.scheduled == {"r0": 1} and builder.budget.num_tokens == 1 and builder.budget.num_seqs == 1
+    assert {rid: list(t) for rid, t in sched.kv.gpu_tables.items()} == tables_before, "nothing allocated"
+    # The general path takes the handed-back request (a new block) and the rest goes on.
+    assert builder.schedule(back, 1) and len(sched.kv.gpu_tables["r1"]) == 3
+    assert builder.schedule_covered(queue) is None and builder.scheduled == {"r0": 1, "r1": 1, "r2": 1}
+
+
+def test_schedule_covered_stops_where_the_budget_does_and_chunks_to_it_when_asked() -> None:
+    from collections import deque
+
+    from scheduler_service.core.budget import TokenBudget
+
+    sched = _decoding(3, [5, 5, 5])
+    builder = StepBuilder(sched, TokenBudget(2, 16), 0.0)
+    queue = deque(sched.running.values())
+    assert builder.schedule_covered(queue) is sched.running["r2"] and builder.scheduled == {"r0": 1, "r1": 1}
+    # With chunking to the budget, a request that would get no tokens is passed over instead.
+    chunked = StepBuilder(sched, TokenBudget(2, 16), 0.0)
+    assert chunked.schedule_covered(deque(sched.running.values()), chunk_to_budget=True) is None
+    assert chunked.scheduled == {"r0": 1, "r1": 1}
