@@ -128,33 +128,38 @@ class StepBuilder:
         exactly those of calling `schedule` on each in turn."""
         if not self._block_mode:
             return queue.popleft() if queue else None
-        budget, scheduled, tables, block_size = self.budget, self.scheduled, self._tables, self._block_size
-        running = (RequestStatus.DECODING, RequestStatus.PREFILLING)
+        budget, covered = self.budget, self.schedule_if_covered
         while queue:
             req = queue.popleft()
-            computed = req.num_computed_tokens
-            n = req.num_prompt_tokens + req.num_output_tokens - computed
+            n = req.num_prompt_tokens + req.num_output_tokens - req.num_computed_tokens
             if chunk_to_budget:
                 n = min(n, budget.max_tokens - budget.num_tokens)
                 if n <= 0:
                     continue
-            rid = req.request_id
-            table = tables.get(rid)
-            if (
-                n > 0
-                and req.status in running
-                and rid not in scheduled
-                and table is not None
-                and len(table) * block_size >= computed + n
-                and budget.num_tokens + n <= budget.max_tokens
-                and budget.num_seqs < budget.max_seqs
-            ):
-                budget.num_tokens += n
-                budget.num_seqs += 1
-                scheduled[rid] = n
-                continue
-            return req
+            if not covered(req, n):
+                return req
         return None
+
+    def schedule_if_covered(self, request: Request, num_tokens: int) -> bool:
+        """`schedule`'s fast half: advances a running request whose blocks already cover the
+        step, when the budget has room. False: nothing changed (the general path decides)."""
+        budget, rid = self.budget, request.request_id
+        table = self._tables.get(rid)
+        if (
+            self._block_mode
+            and num_tokens > 0
+            and (request.status is RequestStatus.DECODING or request.status is RequestStatus.PREFILLING)
+            and rid not in self.scheduled
+            and table is not None
+            and len(table) * self._block_size >= request.num_computed_tokens + num_tokens
+            and budget.num_tokens + num_tokens <= budget.max_tokens
+            and budget.num_seqs < budget.max_seqs
+        ):
+            budget.num_tokens += num_tokens
+            budget.num_seqs += 1
+            self.scheduled[rid] = num_tokens
+            return True
+        return False
 
     def unschedule(self, request: Request) -> None:
         """Takes a request out of this step (its blocks stay allocated)."""

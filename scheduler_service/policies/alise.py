@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,20 +135,16 @@ class AlisePolicy(QueuePolicy):
         st: JobState = req.policy_state
         return (st.level, self.remaining_time(req), st.seq)
 
-    def ranked_kv_jobs(self, step: StepBuilder) -> list[tuple[Rank, Request]]:
-        # NOTE: remaining_time inlined: this runs over every KV holder every step.
+    def refresh_ranks(self, jobs: Iterable[Request]) -> None:
+        # NOTE: remaining_time inlined: this runs over every running job every step.
         t0, alpha, beta = self.model.t0, self.model.alpha, self.model.beta
-        out = []
-        for group in (step.running, step.kept, step.swapped):
-            for r in group.values():
-                st: JobState = r.policy_state
-                n_tok = r.num_prompt_tokens + r.num_output_tokens
-                left = st.predicted - r.num_output_tokens
-                pre = r.prefill_len - r.num_computed_tokens
-                t = (left if left > 1 else 1) * (alpha * n_tok + beta) + (t0 * pre if pre > 0 else 0.0)
-                out.append(((st.level, t, st.seq), r))
-        out.sort(key=_first)
-        return out
+        for r in jobs:
+            st: JobState = r.policy_state
+            n_tok = r.num_prompt_tokens + r.num_output_tokens
+            left = st.predicted - r.num_output_tokens
+            pre = r.prefill_len - r.num_computed_tokens
+            t = (left if left > 1 else 1) * (alpha * n_tok + beta) + (t0 * pre if pre > 0 else 0.0)
+            st.rank = (st.level, t, st.seq)
 
     def weight(self, req: Request) -> float:
         return self.remaining_time(req)
@@ -208,6 +205,8 @@ class AlisePolicy(QueuePolicy):
         st.clock = now
         if waiting:
             self.requeue(req)
+        else:
+            self.refresh_ranks((req,))  # a paused KV holder is sorted by its cached rank
 
     # ------------------------------------------------------------------ Algorithm 2
     def after_batch(self, step: StepBuilder, now: float) -> None:
@@ -216,7 +215,8 @@ class AlisePolicy(QueuePolicy):
         kept, swapped, scheduled = step.kept, step.swapped, step.scheduled
         by_level: dict[int, list[tuple[Rank, Request]]] = {}
         ahead = 0.0
-        for rank, req in self.ranked:  # already in rank order; ranks are this step's
+        for req in self.ranked:  # already in rank order
+            rank = req.policy_state.rank
             rid = req.request_id
             if rid in kept or rid in swapped:
                 by_level.setdefault(rank[0], []).append((rank, req))
@@ -227,21 +227,35 @@ class AlisePolicy(QueuePolicy):
         for level in range(self.num_levels):
             if level:
                 ahead += self.queues.sums[level - 1]
-            ewts, ahead = self._ewts(by_level.get(level, []), ahead, now)
+            ewts, ahead = self._ewts(by_level.get(level, ()), ahead, now)
             ewts.sort(key=_first_two)
             for _, _, req in ewts:
-                self._keep_or_offload(step, req, keep=slots > 0)
+                if slots > 0:
+                    if req.status is RequestStatus.PREEMPTED_SWAPPED:
+                        self._swap_in_early(step, req)
+                elif req.status is RequestStatus.PREEMPTED_KEPT:
+                    step.preempt(req, PreemptionMode.SWAP, PreemptionReason.PRIORITY)
                 slots -= 1
             # NOTE: the paper's M -= len(q); the queue's waiting jobs count too (they are
             # ranked against its paused ones), which offloads deep queues under load.
             slots -= self.queues.counts[level]
 
     def _ewts(
-        self, jobs: list[tuple[Rank, Request]], ahead: float, now: float
+        self, jobs: Iterable[tuple[Rank, Request]], ahead: float, now: float
     ) -> tuple[list[tuple[float, int, Request]], float]:
+        """(EWT, seq, job) of one level's paused jobs in rank order: the time the jobs ranked
+        ahead take, or sooner if aging promotes it first (`t_promote`, inlined: every paused
+        job, every step)."""
         out: list[tuple[float, int, Request]] = []
+        age = self.age_s
         for rank, req in jobs:
-            out.append((min(ahead, self.t_promote(req, now)), rank[2], req))
+            st: JobState = req.policy_state
+            if st.level == 0:
+                out.append((ahead, rank[2], req))
+            else:
+                wait = age - (now - st.clock)
+                promote = age * (st.level - 1) + (wait if wait > 0.0 else 0.0)
+                out.append((ahead if ahead < promote else promote, rank[2], req))
             ahead += rank[1]
         return out, ahead
 
@@ -253,21 +267,13 @@ class AlisePolicy(QueuePolicy):
         mean_blocks = gpu.num_used / num_resident if num_resident else 1.0
         return int(gpu.num_blocks * (1.0 - self.config.swap_headroom) / max(1.0, mean_blocks))
 
-    def _keep_or_offload(self, step: StepBuilder, req: Request, *, keep: bool) -> None:
-        if not keep:
-            if req.status is RequestStatus.PREEMPTED_KEPT:
-                step.preempt(req, PreemptionMode.SWAP, PreemptionReason.PRIORITY)
-            return
-        if req.status is not RequestStatus.PREEMPTED_SWAPPED:
-            return
+    def _swap_in_early(self, step: StepBuilder, req: Request) -> None:
+        """A swapped job within the limit comes back ahead of time when the GPU has headroom:
+        it runs when its rank comes up, with no copy then."""
         kv = step.kv
         need = kv.num_blocks_for(req.num_computed_tokens + 1)
         if kv.gpu.num_available() - need >= int(self.config.swap_headroom * kv.gpu.num_blocks):
-            step.swap_in(req)  # ahead of time: it runs when its rank comes up, with no copy then
-
-
-def _first(item: tuple[Rank, Request]) -> Rank:
-    return item[0]
+            step.swap_in(req)
 
 
 def _first_two(item: tuple[float, int, Request]) -> tuple[float, int]:

@@ -9,7 +9,9 @@ quanta) differ, so those stay in the policies and the walk lives here.
 How data flows:
 
     arrival / recompute preemption ──> LevelQueues (a heap per level, lazy deletion)
-    running + kept + swapped (hold KV) ──> ranked each step (a few hundred at most)
+    running + kept + swapped (hold KV) ──> sorted each step by their cached rank; only the
+       running jobs' ranks are recomputed (a paused job's rank changes only when a policy
+       moves its level, which refreshes it there)
     schedule(): merge the two in rank order ──> run each job that fits (seats, tokens, KV)
        KV short: evict the lowest-ranked GPU holder not yet reached (swap or recompute);
        `defer` never evicts for a new job: it waits
@@ -24,8 +26,10 @@ from __future__ import annotations
 import heapq
 from abc import abstractmethod
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from operator import attrgetter
 
 from scheduler_service.core.policy import Policy, PolicyConfig, PolicyContext
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
@@ -37,7 +41,7 @@ from scheduler_service.core.step_builder import StepBuilder
 MAX_SKIPPED_WAITING = 32
 
 Rank = tuple[int, float, int]
-Victims = deque[tuple[Rank, Request]]  # GPU holders ranked below the current job, worst at the right
+Victims = deque[Request]  # GPU holders ranked below the current job, worst at the right
 
 
 class MemoryMode(StrEnum):
@@ -59,6 +63,7 @@ class JobState:
     weight: float = 0.0  # what it adds to its level's sum while waiting (ALISE: remaining time)
     predicted: int = 0  # ALISE: predicted output tokens (doubled on misprediction)
     attained: float = 0.0  # FastServe: service received in the current level
+    rank: Rank = (0, 0.0, 0)  # while it holds KV: its rank as last refreshed
 
 
 class LevelQueues:
@@ -127,7 +132,7 @@ class QueuePolicy(Policy):
         self.num_levels = num_levels
         self.queues = LevelQueues(num_levels)
         self.jobs: dict[str, Request] = {}  # every unfinished job on this worker
-        self.ranked: list[tuple[Rank, Request]] = []  # this step's KV holders in rank order
+        self.ranked: list[Request] = []  # this step's KV holders in rank order (ranks in policy_state.rank)
         self.admitted: list[Request] = []  # waiting jobs this step admitted
         self._seq = 0
 
@@ -175,6 +180,12 @@ class QueuePolicy(Policy):
         for req in [r for r in step.running.values() if not step.is_scheduled(r)]:
             step.preempt(req, PreemptionMode.KEEP, PreemptionReason.PRIORITY)
         self.after_batch(step, now)
+        # NOTE: dropped at once, so this step's thousands of (rank, job) pairs die young
+        # instead of surviving into the collector's oldest generation: kept until the next
+        # step, they set off a full collection of the whole heap every few steps (30-40 ms
+        # stalls with FastServe's thousands of paused jobs).
+        self.ranked = []
+        self.admitted = []
 
     def before_step(self, step: StepBuilder, now: float) -> None:
         """Level changes that do not depend on the batch (aging)."""
@@ -182,10 +193,24 @@ class QueuePolicy(Policy):
     def after_batch(self, step: StepBuilder, now: float) -> None:
         """Memory moves once the batch is fixed (ALISE's Algorithm 2)."""
 
-    def ranked_kv_jobs(self, step: StepBuilder) -> list[tuple[Rank, Request]]:
+    def refresh_ranks(self, jobs: Iterable[Request]) -> None:
+        """Stores each job's rank now in its state (the sort key of `ranked_kv_jobs`)."""
         rank = self.rank
-        jobs = [(rank(r), r) for group in (step.running, step.kept, step.swapped) for r in group.values()]
-        jobs.sort(key=_first)
+        for r in jobs:
+            r.policy_state.rank = rank(r)
+
+    def ranked_kv_jobs(self, step: StepBuilder) -> list[Request]:
+        """Every KV holder, best rank first.
+
+        NOTE: only running jobs are re-ranked: they are the ones whose remaining work moved.
+        A paused job keeps the rank it had when it last ran until its policy changes its
+        level (and refreshes it then). Besides the time, this keeps a step from allocating a
+        (rank, job) pair per paused job: thousands of them, alive across the collector's
+        young collections, set off a full collection every few dozen steps (30-40 ms stalls
+        with FastServe's paused jobs)."""
+        self.refresh_ranks(step.running.values())
+        jobs = [*step.running.values(), *step.kept.values(), *step.swapped.values()]
+        jobs.sort(key=_RANK)
         return jobs
 
     def fill_batch(self, step: StepBuilder) -> None:
@@ -199,8 +224,8 @@ class QueuePolicy(Policy):
         waiting_open = True
         while budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
             head = self.queues.peek() if waiting_open else None
-            if kv_jobs and (head is None or kv_jobs[0][0] <= self.filed_rank(head)):
-                self._run_kv_job(step, kv_jobs.popleft()[1], kv_jobs)
+            if kv_jobs and (head is None or kv_jobs[0].policy_state.rank <= self.filed_rank(head)):
+                self._run_kv_job(step, kv_jobs.popleft(), kv_jobs)
                 continue
             if head is None:
                 break
@@ -220,9 +245,11 @@ class QueuePolicy(Policy):
 
     def _run_kv_job(self, step: StepBuilder, req: Request, victims: Victims) -> None:
         n = req.num_tokens_to_compute
+        if step.schedule_if_covered(req, n):
+            return  # NOTE: the hot path: a running job whose blocks are there
         status = req.status
         if (status is RequestStatus.DECODING or status is RequestStatus.PREFILLING) and step.schedule(req, n):
-            return  # NOTE: the hot path: a running job whose blocks are there
+            return
         if not step.budget.can_fit(n):
             return
         kv = step.kv
@@ -267,7 +294,7 @@ class QueuePolicy(Policy):
 
     def _evict_one(self, step: StepBuilder, victims: Victims) -> bool:
         while victims:
-            victim = victims.pop()[1]
+            victim = victims.pop()
             if victim.status is RequestStatus.PREEMPTED_SWAPPED:
                 continue  # holds no GPU blocks
             step.preempt(victim, self.evict_mode(), PreemptionReason.KV_PRESSURE)
@@ -280,5 +307,4 @@ class QueuePolicy(Policy):
         return PreemptionMode.SWAP if self.memory is MemoryMode.SWAP else PreemptionMode.RECOMPUTE
 
 
-def _first(item: tuple[Rank, Request]) -> Rank:
-    return item[0]
+_RANK = attrgetter("policy_state.rank")

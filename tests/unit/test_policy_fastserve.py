@@ -76,3 +76,26 @@ def test_fastserve_swaps_the_lower_priority_job_out_when_gpu_kv_is_short() -> No
     assert KVMoveKind.SWAP_IN in kinds
     assert sched.metrics.preemptions[("swap", "kv_pressure")] == 1
     sched.assert_empty()
+
+
+def test_queue_policies_sort_paused_jobs_by_ranks_that_are_still_current() -> None:
+    """Only running jobs are re-ranked each step; every paused job's cached rank must still
+    equal its rank now (aging, demotion and swaps included), or the batch order is wrong."""
+    import random
+
+    rng = random.Random(3)
+    for spec in ("fastserve:quantum_s=0.01", "alise:age_threshold_s=0.05"):
+        sched = make_scheduler(spec, num_gpu_blocks=48, max_num_seqs=4, max_model_len=512)
+        paused_checked = 0
+        now = 0.0
+        for i in range(80):
+            sched.add_request(make_request(f"r{i}", rng.randint(4, 40), rng.randint(2, 30)), now)
+            for _ in range(3):
+                step(sched, now)
+                now += 0.01
+                for req in [*sched.kept.values(), *sched.swapped.values()]:
+                    assert req.policy_state.rank == sched.policy.rank(req), (spec, req)
+                    paused_checked += 1
+        assert paused_checked > 100, f"{spec}: the workload paused too few jobs to test anything"
+        run_to_completion(sched)
+        sched.assert_empty()
