@@ -73,6 +73,7 @@ class LevelQueues:
         self.heaps: list[list[tuple[float, int, int, Request]]] = [[] for _ in range(num_levels)]
         self.counts = [0] * num_levels
         self.sums = [0.0] * num_levels
+        self.changes = 0  # bumped by every push and discard: a peeked head is stale once it moves
 
     def __len__(self) -> int:
         return sum(self.counts)
@@ -83,6 +84,7 @@ class LevelQueues:
             self.discard(req)
         st.version += 1
         st.in_heap = True
+        self.changes += 1
         heapq.heappush(self.heaps[st.level], (st.key, st.seq, st.version, req))
         self.counts[st.level] += 1
         self.sums[st.level] += st.weight
@@ -94,6 +96,7 @@ class LevelQueues:
             return
         st.in_heap = False
         st.version += 1
+        self.changes += 1
         self.counts[st.level] -= 1
         self.sums[st.level] -= st.weight
 
@@ -220,16 +223,26 @@ class QueuePolicy(Policy):
         self.admitted = []
         kv_jobs: Victims = deque(self.ranked)
         skipped: list[Request] = []
-        budget = step.budget
+        budget, queues = step.budget, self.queues
         waiting_open = True
+        head: Request | None = None
+        head_rank: Rank = (0, 0.0, 0)
+        peeked = -1  # queues.changes when head was peeked
         while budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
-            head = self.queues.peek() if waiting_open else None
-            if kv_jobs and (head is None or kv_jobs[0].policy_state.rank <= self.filed_rank(head)):
+            if not waiting_open:
+                head = None
+            elif peeked != queues.changes:
+                # NOTE: re-peeked only when the queues moved (a pop, or a job an eviction
+                # sent back to recompute): most of a step is running jobs ranked ahead.
+                head = queues.peek()
+                head_rank = self.filed_rank(head) if head is not None else head_rank
+                peeked = queues.changes
+            if kv_jobs and (head is None or kv_jobs[0].policy_state.rank <= head_rank):
                 self._run_kv_job(step, kv_jobs.popleft(), kv_jobs)
                 continue
             if head is None:
                 break
-            self.queues.pop()
+            queues.pop()
             verdict = self._admit(step, head, kv_jobs)
             if verdict and step.is_scheduled(head):
                 self.admitted.append(head)
