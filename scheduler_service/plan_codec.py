@@ -311,10 +311,14 @@ def result_to_proto(result: StepResult, order: Sequence[str] | None = None) -> w
     """`order`: the step's sampling requests in scheduled order (`step_order`); when the
     result sampled exactly those, the tokens go in that order without their ids."""
     sampled = result.sampled_token_ids
-    if order is not None and len(order) == len(sampled) and all(map(sampled.__contains__, order)):
-        ids: Sequence[str] = ()
-        tokens: Sequence[int] = list(map(sampled.__getitem__, order))
-    else:
+    ids: Sequence[str] = ()
+    tokens: Sequence[int] = ()
+    if order is not None and len(order) == len(sampled):
+        try:
+            tokens = list(map(sampled.__getitem__, order))
+        except KeyError:  # it sampled other requests than the step's: say which, with ids
+            tokens = ()
+    if len(tokens) != len(sampled):
         ids, tokens = list(sampled), list(sampled.values())
     return worker_pb2.ExecuteResponse(
         step_id=result.step_id,

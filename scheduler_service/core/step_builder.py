@@ -142,16 +142,18 @@ class StepBuilder:
 
     def schedule_if_covered(self, request: Request, num_tokens: int) -> bool:
         """`schedule`'s fast half: advances a running request whose blocks already cover the
-        step, when the budget has room. False: nothing changed (the general path decides)."""
+        step, when the budget has room. False: nothing changed, and `schedule` decides (or,
+        for tokens it does not have to compute, refuses)."""
         budget, rid = self.budget, request.request_id
         table = self._tables.get(rid)
+        computed = request.num_computed_tokens
         if (
             self._block_mode
-            and num_tokens > 0
+            and 0 < num_tokens <= request.num_prompt_tokens + request.num_output_tokens - computed
             and (request.status is RequestStatus.DECODING or request.status is RequestStatus.PREFILLING)
             and rid not in self.scheduled
             and table is not None
-            and len(table) * self._block_size >= request.num_computed_tokens + num_tokens
+            and len(table) * self._block_size >= computed + num_tokens
             and budget.num_tokens + num_tokens <= budget.max_tokens
             and budget.num_seqs < budget.max_seqs
         ):

@@ -149,13 +149,6 @@ class AlisePolicy(QueuePolicy):
     def weight(self, req: Request) -> float:
         return self.remaining_time(req)
 
-    def t_promote(self, req: Request, now: float) -> float:
-        """Time until aging lifts the job to queue 0 (Eq. 7's T_promote(J, K))."""
-        st: JobState = req.policy_state
-        if st.level == 0:
-            return math.inf
-        return self.age_s * (st.level - 1) + max(0.0, self.age_s - (now - st.clock))
-
     # ------------------------------------------------------------------ hooks
     def on_arrival(self, request: Request, now: float) -> None:
         predicted = request.predicted_output_tokens or request.max_tokens
@@ -244,8 +237,8 @@ class AlisePolicy(QueuePolicy):
         self, jobs: Iterable[tuple[Rank, Request]], ahead: float, now: float
     ) -> tuple[list[tuple[float, int, Request]], float]:
         """(EWT, seq, job) of one level's paused jobs in rank order: the time the jobs ranked
-        ahead take, or sooner if aging promotes it first (`t_promote`, inlined: every paused
-        job, every step)."""
+        ahead take, or sooner if aging lifts it to queue 0 first (Eq. 7's T_promote: the
+        levels left to climb times the age threshold, plus what is left of this one)."""
         out: list[tuple[float, int, Request]] = []
         age = self.age_s
         for rank, req in jobs:

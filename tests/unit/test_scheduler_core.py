@@ -243,6 +243,15 @@ def test_schedule_covered_charges_covered_decodes_and_hands_back_the_first_needi
     assert builder.schedule_covered(queue) is None and builder.scheduled == {"r0": 1, "r1": 1, "r2": 1}
 
 
+def test_schedule_if_covered_leaves_tokens_a_request_does_not_have_to_the_general_path() -> None:
+    sched = _decoding(1, [5])
+    builder = _builder(sched)
+    req = sched.running["r0"]
+    assert not builder.schedule_if_covered(req, 2)  # one token to compute, though its blocks hold 8
+    assert builder.scheduled == {} and builder.budget.num_tokens == 0
+    assert builder.schedule_if_covered(req, 1) and builder.scheduled == {"r0": 1}
+
+
 def test_schedule_covered_stops_where_the_budget_does_and_chunks_to_it_when_asked() -> None:
     from collections import deque
 
