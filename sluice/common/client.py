@@ -9,7 +9,9 @@ Breaking out of `generate` (or cancelling the task) cancels the RPC, which the s
 sees as a client cancellation and frees the request's KV at its next step. `timeout` is the
 gRPC deadline of the whole stream. Channel keepalive notices a dead scheduler in seconds.
 Errors are `grpc.aio.AioRpcError`; `retry_after_s(error)` reads the server's RetryInfo from
-a RESOURCE_EXHAUSTED answer.
+a RESOURCE_EXHAUSTED answer. `security` (sluice.common.security.ClientSecurity) dials over TLS
+(mutual with a client certificate) and sends the API key as a bearer token; the `sluice
+generate` and `sluice bench` flags for it come from `security.add_client_security_arguments`.
 """
 
 from __future__ import annotations
@@ -25,18 +27,13 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from sluice.common.grpc_server import KEEPALIVE
+from sluice.common.security import PLAINTEXT, ClientSecurity
 from sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-MAX_MESSAGE_BYTES = 64 * 2**20
-# Client keepalive per ECOSYSTEM.md: pings no more often than the server permits (10 s).
-DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-)
+# The servers' own keepalive, so the client never pings more often than they permit.
+DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = KEEPALIVE.channel_options()
+
 
 _FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -191,11 +188,18 @@ class SluiceClient:
         options: Sequence[tuple[str, Any]] = DEFAULT_CHANNEL_OPTIONS,
         interceptors: Sequence[Any] | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        security: ClientSecurity = PLAINTEXT,
     ) -> None:
         self.target = target
-        self.channel = grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
+        if security.tls is None:
+            self.channel = grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
+        else:
+            credentials = security.tls.channel_credentials()
+            self.channel = grpc.aio.secure_channel(
+                target, credentials, options=list(options), interceptors=interceptors
+            )
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
-        self.metadata = tuple(metadata)
+        self.metadata = (*security.metadata, *metadata)
 
     async def __aenter__(self) -> SluiceClient:
         return self

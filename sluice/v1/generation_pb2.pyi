@@ -87,7 +87,7 @@ class WorkerDescription(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("version", "policy", "router", "model", "max_model_len", "max_waiting", "block_size", "workers")
+    __slots__ = ("version", "policy", "router", "model", "max_model_len", "max_waiting", "block_size", "workers", "max_prompt_tokens", "default_max_tokens", "max_prompt_bytes", "vocab_size")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     ROUTER_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,10 @@ class GetServerInfoResponse(_message.Message):
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     version: str
     policy: str
     router: str
@@ -104,7 +108,11 @@ class GetServerInfoResponse(_message.Message):
     max_waiting: int
     block_size: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerDescription]
-    def __init__(self, version: _Optional[str] = ..., policy: _Optional[str] = ..., router: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerDescription, _Mapping]]] = ...) -> None: ...
+    max_prompt_tokens: int
+    default_max_tokens: int
+    max_prompt_bytes: int
+    vocab_size: int
+    def __init__(self, version: _Optional[str] = ..., policy: _Optional[str] = ..., router: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerDescription, _Mapping]]] = ..., max_prompt_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_prompt_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

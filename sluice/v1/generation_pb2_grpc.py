@@ -27,6 +27,27 @@ if _version_not_supported:
 
 class GenerationServiceStub:
     """Text generation with token streaming, served by the scheduler.
+
+    Metadata. Requests: `authorization: Bearer <key>` when the server has API keys (else
+    UNAUTHENTICATED); `x-request-id` (optional) names a Generate request when its request_id
+    field is empty. Generate's initial metadata: `x-request-id` (the id in use, made by the
+    server when neither names one: a client can Abort a request still queued) and
+    `x-max-tokens` (the max_tokens applied). Standard gRPC health and reflection (v1 and
+    v1alpha) are served beside this service; health needs no key.
+
+    Status codes. OK: the stream ended with a final message (finish_reason STOP, LENGTH or
+    ABORT). INVALID_ARGUMENT: a field is invalid (the message starts with the field's name and a
+    google.rpc.BadRequest detail names it) or the message does not parse (no detail).
+    RESOURCE_EXHAUSTED with google.rpc.RetryInfo and ErrorInfo (reason QUEUE_FULL) details: the
+    waiting queue is full, retry after the delay (gRPC itself answers RESOURCE_EXHAUSTED, without
+    details, for a message over its 16 MiB limit); without RetryInfo: the request needs more than
+    a worker can hold.
+    UNAVAILABLE: no worker is left, or the server is shutting down. DEADLINE_EXCEEDED: the
+    server's queue timeout passed. INTERNAL: a worker failed on this request.
+    UNAUTHENTICATED: no or a wrong API key. PERMISSION_DENIED: Abort of another caller's
+    request. Every non-OK ending of Generate after the request was accepted carries a
+    google.rpc.ErrorInfo detail (domain "sluice.dev", reason the FinishReason's name without
+    its prefix, metadata request_id, finish_reason, prompt_tokens, completion_tokens).
     """
 
     def __init__(self, channel):
@@ -59,18 +80,42 @@ class GenerationServiceStub:
 
 class GenerationServiceServicer:
     """Text generation with token streaming, served by the scheduler.
+
+    Metadata. Requests: `authorization: Bearer <key>` when the server has API keys (else
+    UNAUTHENTICATED); `x-request-id` (optional) names a Generate request when its request_id
+    field is empty. Generate's initial metadata: `x-request-id` (the id in use, made by the
+    server when neither names one: a client can Abort a request still queued) and
+    `x-max-tokens` (the max_tokens applied). Standard gRPC health and reflection (v1 and
+    v1alpha) are served beside this service; health needs no key.
+
+    Status codes. OK: the stream ended with a final message (finish_reason STOP, LENGTH or
+    ABORT). INVALID_ARGUMENT: a field is invalid (the message starts with the field's name and a
+    google.rpc.BadRequest detail names it) or the message does not parse (no detail).
+    RESOURCE_EXHAUSTED with google.rpc.RetryInfo and ErrorInfo (reason QUEUE_FULL) details: the
+    waiting queue is full, retry after the delay (gRPC itself answers RESOURCE_EXHAUSTED, without
+    details, for a message over its 16 MiB limit); without RetryInfo: the request needs more than
+    a worker can hold.
+    UNAVAILABLE: no worker is left, or the server is shutting down. DEADLINE_EXCEEDED: the
+    server's queue timeout passed. INTERNAL: a worker failed on this request.
+    UNAUTHENTICATED: no or a wrong API key. PERMISSION_DENIED: Abort of another caller's
+    request. Every non-OK ending of Generate after the request was accepted carries a
+    google.rpc.ErrorInfo detail (domain "sluice.dev", reason the FinishReason's name without
+    its prefix, metadata request_id, finish_reason, prompt_tokens, completion_tokens).
     """
 
     def Generate(self, request, context):
         """Generates a completion and streams its tokens as they are produced; the last message
-        carries the finish reason, usage and timings.
+        carries the finish reason, usage and timings. A request that fails after its first
+        messages ends with a non-OK status instead of a last message (see above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts requests by id; idempotent (unknown or finished ids are ignored).
+        """Aborts requests by id; idempotent (unknown or finished ids are ignored). Only the caller
+        that made a request may abort it (the same API key, or the same client certificate under
+        mutual TLS); an id of another caller's request answers PERMISSION_DENIED and aborts none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -123,6 +168,27 @@ def add_GenerationServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class GenerationService:
     """Text generation with token streaming, served by the scheduler.
+
+    Metadata. Requests: `authorization: Bearer <key>` when the server has API keys (else
+    UNAUTHENTICATED); `x-request-id` (optional) names a Generate request when its request_id
+    field is empty. Generate's initial metadata: `x-request-id` (the id in use, made by the
+    server when neither names one: a client can Abort a request still queued) and
+    `x-max-tokens` (the max_tokens applied). Standard gRPC health and reflection (v1 and
+    v1alpha) are served beside this service; health needs no key.
+
+    Status codes. OK: the stream ended with a final message (finish_reason STOP, LENGTH or
+    ABORT). INVALID_ARGUMENT: a field is invalid (the message starts with the field's name and a
+    google.rpc.BadRequest detail names it) or the message does not parse (no detail).
+    RESOURCE_EXHAUSTED with google.rpc.RetryInfo and ErrorInfo (reason QUEUE_FULL) details: the
+    waiting queue is full, retry after the delay (gRPC itself answers RESOURCE_EXHAUSTED, without
+    details, for a message over its 16 MiB limit); without RetryInfo: the request needs more than
+    a worker can hold.
+    UNAVAILABLE: no worker is left, or the server is shutting down. DEADLINE_EXCEEDED: the
+    server's queue timeout passed. INTERNAL: a worker failed on this request.
+    UNAUTHENTICATED: no or a wrong API key. PERMISSION_DENIED: Abort of another caller's
+    request. Every non-OK ending of Generate after the request was accepted carries a
+    google.rpc.ErrorInfo detail (domain "sluice.dev", reason the FinishReason's name without
+    its prefix, metadata request_id, finish_reason, prompt_tokens, completion_tokens).
     """
 
     @staticmethod

@@ -25,27 +25,30 @@ _sym_db = _symbol_database.Default()
 from sluice.v1 import common_pb2 as sluice_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19sluice/v1/predictor.proto\x12\tsluice.v1\x1a\x16sluice/v1/common.proto\"\x8b\x01\n\x0ePredictRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nmax_tokens\x18\x05 \x01(\rB\x08\n\x06prompt\"\xa1\x01\n\x0fPredictResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x17predicted_output_tokens\x18\x02 \x01(\r\x12+\n\x06source\x18\x03 \x01(\x0e\x32\x1b.sluice.v1.PredictionSource\x12\x19\n\x11predictor_version\x18\x04 \x01(\t\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\"B\n\x13PredictBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.sluice.v1.PredictRequest\"E\n\x14PredictBatchResponse\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.sluice.v1.PredictResponse\"\xaf\x01\n\x0eObserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12\r\n\x05model\x18\x04 \x01(\t\x12\x1a\n\x12true_output_tokens\x18\x05 \x01(\r\x12\x1a\n\x12\x66inished_naturally\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"9\n\x0fObserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x14\n\x0chistory_size\x18\x02 \x01(\x04*\xaf\x01\n\x10PredictionSource\x12!\n\x1dPREDICTION_SOURCE_UNSPECIFIED\x10\x00\x12\x1b\n\x17PREDICTION_SOURCE_CACHE\x10\x01\x12\x1f\n\x1bPREDICTION_SOURCE_RETRIEVAL\x10\x02\x12\x1a\n\x16PREDICTION_SOURCE_HEAD\x10\x03\x12\x1e\n\x1aPREDICTION_SOURCE_FALLBACK\x10\x04\x32\xe7\x01\n\x10PredictorService\x12@\n\x07Predict\x12\x19.sluice.v1.PredictRequest\x1a\x1a.sluice.v1.PredictResponse\x12O\n\x0cPredictBatch\x12\x1e.sluice.v1.PredictBatchRequest\x1a\x1f.sluice.v1.PredictBatchResponse\x12@\n\x07Observe\x12\x19.sluice.v1.ObserveRequest\x1a\x1a.sluice.v1.ObserveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19sluice/v1/predictor.proto\x12\tsluice.v1\x1a\x16sluice/v1/common.proto\")\n\x08Quantile\x12\r\n\x05level\x18\x01 \x01(\x01\x12\x0e\n\x06tokens\x18\x02 \x01(\r\"\x8b\x01\n\x0ePredictRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nmax_tokens\x18\x05 \x01(\rB\x08\n\x06prompt\"\xc9\x01\n\x0fPredictResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x17predicted_output_tokens\x18\x02 \x01(\r\x12+\n\x06source\x18\x03 \x01(\x0e\x32\x1b.sluice.v1.PredictionSource\x12\x19\n\x11predictor_version\x18\x04 \x01(\t\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\x12&\n\tquantiles\x18\x06 \x03(\x0b\x32\x13.sluice.v1.Quantile\"B\n\x13PredictBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.sluice.v1.PredictRequest\"E\n\x14PredictBatchResponse\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.sluice.v1.PredictResponse\"\xaf\x01\n\x0eObserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.sluice.v1.TokenIdsH\x00\x12\r\n\x05model\x18\x04 \x01(\t\x12\x1a\n\x12true_output_tokens\x18\x05 \x01(\r\x12\x1a\n\x12\x66inished_naturally\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"9\n\x0fObserveResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x14\n\x0chistory_size\x18\x02 \x01(\x04*\xcc\x01\n\x10PredictionSource\x12!\n\x1dPREDICTION_SOURCE_UNSPECIFIED\x10\x00\x12\x1b\n\x17PREDICTION_SOURCE_CACHE\x10\x01\x12\x1f\n\x1bPREDICTION_SOURCE_RETRIEVAL\x10\x02\x12\x1a\n\x16PREDICTION_SOURCE_HEAD\x10\x03\x12\x1e\n\x1aPREDICTION_SOURCE_FALLBACK\x10\x04\x12\x1b\n\x17PREDICTION_SOURCE_BLEND\x10\x05\x32\xe7\x01\n\x10PredictorService\x12@\n\x07Predict\x12\x19.sluice.v1.PredictRequest\x1a\x1a.sluice.v1.PredictResponse\x12O\n\x0cPredictBatch\x12\x1e.sluice.v1.PredictBatchRequest\x1a\x1f.sluice.v1.PredictBatchResponse\x12@\n\x07Observe\x12\x19.sluice.v1.ObserveRequest\x1a\x1a.sluice.v1.ObserveResponseBC\n\rdev.sluice.v1P\x01Z$sluice.dev/gen/go/sluice/v1;sluicev1\xaa\x02\tSluice.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sluice.v1.predictor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
-  _globals['_PREDICTIONSOURCE']._serialized_start=747
-  _globals['_PREDICTIONSOURCE']._serialized_end=922
-  _globals['_PREDICTREQUEST']._serialized_start=65
-  _globals['_PREDICTREQUEST']._serialized_end=204
-  _globals['_PREDICTRESPONSE']._serialized_start=207
-  _globals['_PREDICTRESPONSE']._serialized_end=368
-  _globals['_PREDICTBATCHREQUEST']._serialized_start=370
-  _globals['_PREDICTBATCHREQUEST']._serialized_end=436
-  _globals['_PREDICTBATCHRESPONSE']._serialized_start=438
-  _globals['_PREDICTBATCHRESPONSE']._serialized_end=507
-  _globals['_OBSERVEREQUEST']._serialized_start=510
-  _globals['_OBSERVEREQUEST']._serialized_end=685
-  _globals['_OBSERVERESPONSE']._serialized_start=687
-  _globals['_OBSERVERESPONSE']._serialized_end=744
-  _globals['_PREDICTORSERVICE']._serialized_start=925
-  _globals['_PREDICTORSERVICE']._serialized_end=1156
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\rdev.sluice.v1P\001Z$sluice.dev/gen/go/sluice/v1;sluicev1\252\002\tSluice.V1'
+  _globals['_PREDICTIONSOURCE']._serialized_start=830
+  _globals['_PREDICTIONSOURCE']._serialized_end=1034
+  _globals['_QUANTILE']._serialized_start=64
+  _globals['_QUANTILE']._serialized_end=105
+  _globals['_PREDICTREQUEST']._serialized_start=108
+  _globals['_PREDICTREQUEST']._serialized_end=247
+  _globals['_PREDICTRESPONSE']._serialized_start=250
+  _globals['_PREDICTRESPONSE']._serialized_end=451
+  _globals['_PREDICTBATCHREQUEST']._serialized_start=453
+  _globals['_PREDICTBATCHREQUEST']._serialized_end=519
+  _globals['_PREDICTBATCHRESPONSE']._serialized_start=521
+  _globals['_PREDICTBATCHRESPONSE']._serialized_end=590
+  _globals['_OBSERVEREQUEST']._serialized_start=593
+  _globals['_OBSERVEREQUEST']._serialized_end=768
+  _globals['_OBSERVERESPONSE']._serialized_start=770
+  _globals['_OBSERVERESPONSE']._serialized_end=827
+  _globals['_PREDICTORSERVICE']._serialized_start=1037
+  _globals['_PREDICTORSERVICE']._serialized_end=1268
 # @@protoc_insertion_point(module_scope)

@@ -15,11 +15,21 @@ class PredictionSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREDICTION_SOURCE_RETRIEVAL: _ClassVar[PredictionSource]
     PREDICTION_SOURCE_HEAD: _ClassVar[PredictionSource]
     PREDICTION_SOURCE_FALLBACK: _ClassVar[PredictionSource]
+    PREDICTION_SOURCE_BLEND: _ClassVar[PredictionSource]
 PREDICTION_SOURCE_UNSPECIFIED: PredictionSource
 PREDICTION_SOURCE_CACHE: PredictionSource
 PREDICTION_SOURCE_RETRIEVAL: PredictionSource
 PREDICTION_SOURCE_HEAD: PredictionSource
 PREDICTION_SOURCE_FALLBACK: PredictionSource
+PREDICTION_SOURCE_BLEND: PredictionSource
+
+class Quantile(_message.Message):
+    __slots__ = ("level", "tokens")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    level: float
+    tokens: int
+    def __init__(self, level: _Optional[float] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class PredictRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "model", "max_tokens")
@@ -36,18 +46,20 @@ class PredictRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., model: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
-    __slots__ = ("request_id", "predicted_output_tokens", "source", "predictor_version", "latency_s")
+    __slots__ = ("request_id", "predicted_output_tokens", "source", "predictor_version", "latency_s", "quantiles")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PREDICTOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    QUANTILES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     predicted_output_tokens: int
     source: PredictionSource
     predictor_version: str
     latency_s: float
-    def __init__(self, request_id: _Optional[str] = ..., predicted_output_tokens: _Optional[int] = ..., source: _Optional[_Union[PredictionSource, str]] = ..., predictor_version: _Optional[str] = ..., latency_s: _Optional[float] = ...) -> None: ...
+    quantiles: _containers.RepeatedCompositeFieldContainer[Quantile]
+    def __init__(self, request_id: _Optional[str] = ..., predicted_output_tokens: _Optional[int] = ..., source: _Optional[_Union[PredictionSource, str]] = ..., predictor_version: _Optional[str] = ..., latency_s: _Optional[float] = ..., quantiles: _Optional[_Iterable[_Union[Quantile, _Mapping]]] = ...) -> None: ...
 
 class PredictBatchRequest(_message.Message):
     __slots__ = ("requests",)

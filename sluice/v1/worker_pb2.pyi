@@ -51,7 +51,7 @@ class WorkerCapabilities(_message.Message):
     def __init__(self, chunked_prefill: _Optional[bool] = ..., swap: _Optional[bool] = ..., int8_swap: _Optional[bool] = ..., async_swap: _Optional[bool] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., sampling: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("worker_id", "model", "model_family", "dtype", "device", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "capabilities", "version", "warmed_up")
+    __slots__ = ("worker_id", "model", "model_family", "dtype", "device", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "capabilities", "version", "warmed_up", "model_dimensions", "hardware")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,8 @@ class InfoResponse(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WARMED_UP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     model_family: str
@@ -76,7 +78,43 @@ class InfoResponse(_message.Message):
     capabilities: WorkerCapabilities
     version: str
     warmed_up: bool
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., model_family: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., capabilities: _Optional[_Union[WorkerCapabilities, _Mapping]] = ..., version: _Optional[str] = ..., warmed_up: _Optional[bool] = ...) -> None: ...
+    model_dimensions: ModelDimensions
+    hardware: HardwareDescription
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., model_family: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., capabilities: _Optional[_Union[WorkerCapabilities, _Mapping]] = ..., version: _Optional[str] = ..., warmed_up: _Optional[bool] = ..., model_dimensions: _Optional[_Union[ModelDimensions, _Mapping]] = ..., hardware: _Optional[_Union[HardwareDescription, _Mapping]] = ...) -> None: ...
+
+class ModelDimensions(_message.Message):
+    __slots__ = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "gated_mlp", "dtype_bytes")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    INTERMEDIATE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GATED_MLP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    gated_mlp: bool
+    dtype_bytes: int
+    def __init__(self, num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., intermediate_size: _Optional[int] = ..., gated_mlp: _Optional[bool] = ..., dtype_bytes: _Optional[int] = ...) -> None: ...
+
+class HardwareDescription(_message.Message):
+    __slots__ = ("preset", "name", "peak_flops", "memory_bandwidth", "memory_bytes", "host_link_bandwidth")
+    PRESET_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PEAK_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_LINK_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    preset: str
+    name: str
+    peak_flops: float
+    memory_bandwidth: float
+    memory_bytes: float
+    host_link_bandwidth: float
+    def __init__(self, preset: _Optional[str] = ..., name: _Optional[str] = ..., peak_flops: _Optional[float] = ..., memory_bandwidth: _Optional[float] = ..., memory_bytes: _Optional[float] = ..., host_link_bandwidth: _Optional[float] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
     __slots__ = ("gpu_memory_utilization", "swap_space_gib", "max_num_batched_tokens", "max_num_seqs", "num_gpu_blocks_override")
@@ -93,20 +131,24 @@ class WarmupRequest(_message.Message):
     def __init__(self, gpu_memory_utilization: _Optional[float] = ..., swap_space_gib: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., num_gpu_blocks_override: _Optional[int] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
-    __slots__ = ("num_gpu_blocks", "num_cpu_blocks", "block_size", "bytes_per_block", "warmup_s", "peak_activation_bytes")
+    __slots__ = ("num_gpu_blocks", "num_cpu_blocks", "block_size", "bytes_per_block", "warmup_s", "peak_activation_bytes", "session_id", "lease_ttl_s")
     NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     WARMUP_S_FIELD_NUMBER: _ClassVar[int]
     PEAK_ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     num_gpu_blocks: int
     num_cpu_blocks: int
     block_size: int
     bytes_per_block: int
     warmup_s: float
     peak_activation_bytes: int
-    def __init__(self, num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., warmup_s: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ...) -> None: ...
+    session_id: str
+    lease_ttl_s: float
+    def __init__(self, num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., warmup_s: _Optional[float] = ..., peak_activation_bytes: _Optional[int] = ..., session_id: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "block_ids", "num_computed_tokens", "num_output_tokens", "traceparent")
@@ -230,10 +272,12 @@ class ExecuteResponse(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sampled_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., swap_bytes: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "end_lease")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    END_LEASE_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    end_lease: bool
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., end_lease: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released_ids",)
@@ -246,11 +290,15 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "message", "num_requests")
+    __slots__ = ("serving", "message", "num_requests", "leased", "lease_holder")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_HOLDER_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     message: str
     num_requests: int
-    def __init__(self, serving: _Optional[bool] = ..., message: _Optional[str] = ..., num_requests: _Optional[int] = ...) -> None: ...
+    leased: bool
+    lease_holder: bool
+    def __init__(self, serving: _Optional[bool] = ..., message: _Optional[str] = ..., num_requests: _Optional[int] = ..., leased: _Optional[bool] = ..., lease_holder: _Optional[bool] = ...) -> None: ...

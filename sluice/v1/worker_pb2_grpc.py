@@ -27,6 +27,16 @@ if _version_not_supported:
 
 class WorkerServiceStub:
     """A model engine on one accelerator (or CPU), with a paged KV cache and swap space.
+
+    A worker serves one scheduler at a time: Warmup grants a lease and returns its session id,
+    which Execute and Release must carry as `x-sluice-session` metadata (FAILED_PRECONDITION
+    without one or before any Warmup, PERMISSION_DENIED with any other). While the lease is live
+    (its holder called within lease_ttl_s), a Warmup that does not carry the session is refused
+    with FAILED_PRECONDITION; the holder may warm up again (that wipes the worker and issues a
+    new session id). With API keys every method but standard health needs
+    `authorization: Bearer <key>` (else UNAUTHENTICATED). A message that does not parse, or a
+    field out of range, answers INVALID_ARGUMENT naming it; a step's own errors come back in
+    ExecuteResponse.error and the stream carries on.
     """
 
     def __init__(self, channel):
@@ -64,17 +74,28 @@ class WorkerServiceStub:
 
 class WorkerServiceServicer:
     """A model engine on one accelerator (or CPU), with a paged KV cache and swap space.
+
+    A worker serves one scheduler at a time: Warmup grants a lease and returns its session id,
+    which Execute and Release must carry as `x-sluice-session` metadata (FAILED_PRECONDITION
+    without one or before any Warmup, PERMISSION_DENIED with any other). While the lease is live
+    (its holder called within lease_ttl_s), a Warmup that does not carry the session is refused
+    with FAILED_PRECONDITION; the holder may warm up again (that wipes the worker and issues a
+    new session id). With API keys every method but standard health needs
+    `authorization: Bearer <key>` (else UNAUTHENTICATED). A message that does not parse, or a
+    field out of range, answers INVALID_ARGUMENT naming it; a step's own errors come back in
+    ExecuteResponse.error and the stream carries on.
     """
 
     def Info(self, request, context):
-        """Describes the worker: model, dtype, block size and capabilities.
+        """Describes the worker: model, dtype, block size and capabilities. Needs no lease.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Warmup(self, request, context):
-        """Loads and warms the model, measures memory and reports the KV capacity in blocks.
+        """Sizes and builds the KV cache (measured, or num_gpu_blocks_override blocks) and runs one
+        warm step; takes the lease (see above). RESOURCE_EXHAUSTED when the cache does not fit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,21 +103,24 @@ class WorkerServiceServicer:
 
     def Execute(self, request_iterator, context):
         """Executes step plans: each ExecuteRequest is one step, answered by one ExecuteResponse,
-        in order, one step in flight.
+        in order, one step in flight. Needs the lease; a later Warmup ends the stream with
+        PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Releases requests and their KV out of band (e.g. after the step stream broke).
+        """Releases requests and their KV out of band (e.g. after the step stream broke), and the
+        lease itself with end_lease. Needs the lease.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Health(self, request, context):
-        """Whether the engine loop runs and the KV cache exists.
+        """Whether the engine loop runs and the KV cache exists. Needs no lease; renews it when it
+        carries the session (the scheduler's idle probes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -140,6 +164,16 @@ def add_WorkerServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class WorkerService:
     """A model engine on one accelerator (or CPU), with a paged KV cache and swap space.
+
+    A worker serves one scheduler at a time: Warmup grants a lease and returns its session id,
+    which Execute and Release must carry as `x-sluice-session` metadata (FAILED_PRECONDITION
+    without one or before any Warmup, PERMISSION_DENIED with any other). While the lease is live
+    (its holder called within lease_ttl_s), a Warmup that does not carry the session is refused
+    with FAILED_PRECONDITION; the holder may warm up again (that wipes the worker and issues a
+    new session id). With API keys every method but standard health needs
+    `authorization: Bearer <key>` (else UNAUTHENTICATED). A message that does not parse, or a
+    field out of range, answers INVALID_ARGUMENT naming it; a step's own errors come back in
+    ExecuteResponse.error and the stream carries on.
     """
 
     @staticmethod

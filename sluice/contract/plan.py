@@ -1,0 +1,105 @@
+"""StepPlan (scheduler -> worker) and StepResult (worker -> scheduler).
+
+A plan says how many tokens each request advances this step (`num_scheduled_tokens`: a
+prefill chunk and a decode are the same thing with different counts). Requests the
+worker has not seen are sent once in full (`NewRequestData`); known ones get a
+column-oriented diff (`CachedRequestData`). A worker runs a step as: releases, KV moves
+in order, then one forward pass over all scheduled tokens, then sampling for
+`sample_ids`. Frozen, slotted dataclasses; proto conversion lives at the service edge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from sluice.contract.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]  # empty in the simulator, which only counts tokens
+    num_tokens: int  # tokens known: prompt, plus generated ones when resuming a recompute
+    sampling: SamplingParams
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    traceparent: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    """Known requests whose block table changed this step (grew, or was replaced on a
+    swap-in); entry i of every column belongs to request_ids[i]."""
+
+    request_ids: tuple[str, ...] = ()
+    new_block_ids: tuple[tuple[int, ...], ...] = ()
+    resumed: tuple[bool, ...] = ()  # True: new_block_ids replaces the table (back from swap)
+    num_computed_tokens: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
+class KVMoveKind(IntEnum):
+    SWAP_OUT = 1  # GPU -> CPU
+    SWAP_IN = 2  # CPU -> GPU
+    COPY = 3  # GPU -> GPU
+
+
+@dataclass(frozen=True, slots=True)
+class KVMove:
+    kind: KVMoveKind
+    request_id: str
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    int8: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.src_block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    step_id: int
+    worker_id: int
+    new_requests: tuple[NewRequestData, ...]
+    cached_requests: CachedRequestData
+    num_scheduled_tokens: Mapping[str, int]  # batch order = insertion order
+    sample_ids: frozenset[str]
+    release_ids: tuple[str, ...] = ()
+    kv_moves: tuple[KVMove, ...] = ()
+    token_budget: int = 0  # the policy's budget this step (compute utilization = tokens / budget)
+    metadata: Mapping[str, Any] = field(default_factory=dict)  # policy extras; workers ignore them
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens and not self.kv_moves and not self.release_ids
+
+
+@dataclass(frozen=True, slots=True)
+class StepError:
+    code: str  # INVALID_ARGUMENT, INTERNAL, RESOURCE_EXHAUSTED, UNAVAILABLE
+    message: str
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step_id: int
+    sampled_token_ids: Mapping[str, int]
+    total_s: float  # wall (live) or cost-model (simulated) duration of the whole step
+    forward_s: float = 0.0
+    swap_s: float = 0.0
+    sample_s: float = 0.0
+    prepare_s: float = 0.0
+    swap_bytes: int = 0
+    error: StepError | None = None
