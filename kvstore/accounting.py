@@ -17,14 +17,32 @@ the blocks are not there: that is the caller's preemption trigger. Named reserve
 a floor of free blocks that ordinary allocations may not take (EconoServe's PT reserve,
 vLLM's watermark), without pinning particular ids.
 
-Every operation is O(blocks moved); invariants (no block owned twice, no leak) are
-checked by `check_invariants` in tests.
+Automatic prefix caching (vLLM's APC, SGLang's radix cache at block granularity): a full
+block whose KV has been computed is registered under a hash chained over every token before
+and in it (`register`). Blocks are reference-counted; a block that several requests' tables
+name is shared read-only, and a request admitted with a cached prefix takes references on
+the prefix's blocks instead of new ones (`lookup_prefix`, then `allocate(..., prefix=...)`).
+When the last reference goes, a registered block is not freed: it waits in an LRU, still
+holding its KV, and is evicted (its hash forgotten) only when an allocation finds no plain
+free block. Tables are released tail first, so a request's last blocks are evicted first
+and the prefix others share last:
+
+    block_size = 4; A computed 10 tokens, its 2 full blocks registered (h0, h1)
+    A: [ 17(h0) , 3(h1) , 42 ]            refs 17:1 3:1 42:1
+    B admitted with the same 8-token prefix + 5 new tokens:
+    B: [ 17(h0) , 3(h1) , 8 , 9 ]         refs 17:2 3:2; B starts at 8 computed tokens
+    A ends: 42 -> free list; 3, 17 keep their refs from B; B ends: 9, 8 -> free; 3, 17 -> LRU
+    free blocks = free list (never registered) + LRU (registered, ref 0): both allocatable
+
+Every operation is O(blocks moved); invariants (reference counts match the tables, the free
+list, the LRU and the hash map agree, no leak) are checked by `check_invariants` in tests.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from enum import IntEnum, StrEnum
 
 
@@ -64,9 +82,20 @@ class KVAllocationError(RuntimeError):
 
 
 class BlockPool:
-    """One tier of one worker: block ids 0..num_blocks-1 and an O(1) free stack."""
+    """One tier of one worker: block ids 0..num_blocks-1, reference counts, an O(1) free
+    stack of never-registered blocks and an LRU of registered blocks nobody references."""
 
-    __slots__ = ("_free", "_in_use", "_reserves", "block_size", "num_blocks")
+    __slots__ = (
+        "_evictable",
+        "_free",
+        "_hash_of",
+        "_ref",
+        "_reserves",
+        "block_size",
+        "by_hash",
+        "num_blocks",
+        "num_evictions",
+    )
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 0 or block_size <= 0:
@@ -75,16 +104,30 @@ class BlockPool:
         self.block_size = block_size
         # NOTE: reversed so that pop() hands out low ids first (readable tests and plans).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._in_use = bytearray(num_blocks)
+        self._ref = [0] * num_blocks
         self._reserves: dict[str, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, registered; oldest first
+        self._hash_of: dict[int, int] = {}  # registered block -> its prefix hash
+        self.by_hash: dict[int, int] = {}  # prefix hash -> the block holding its KV
+        self.num_evictions = 0  # cached blocks forgotten so far (a lookup older than a change is stale)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: never registered, plus registered ones nobody uses."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Registered blocks (in use or waiting in the LRU)."""
+        return len(self._hash_of)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
 
     @property
     def num_reserved(self) -> int:
@@ -102,52 +145,139 @@ class BlockPool:
     def num_available(self, reserve: str | None = None) -> int:
         """Free blocks an allocation may take (all reserves but its own are off limits)."""
         floor = self.num_reserved - (self._reserves.get(reserve, 0) if reserve else 0)
-        return max(0, len(self._free) - floor)
+        return max(0, len(self._free) + len(self._evictable) - floor)
 
     def allocate(self, num_blocks: int, reserve: str | None = None) -> list[int] | None:
+        """Fresh blocks (reference 1): the free stack first, then the LRU's oldest, whose
+        hashes are forgotten. None (nothing changed) when they are not there."""
         if num_blocks > self.num_available(reserve):
             return None
-        free = self._free
         if not num_blocks:
             return []
-        taken = free[len(free) - num_blocks :]
-        del free[len(free) - num_blocks :]
+        free = self._free
+        from_stack = min(num_blocks, len(free))
+        taken = free[len(free) - from_stack :]
+        del free[len(free) - from_stack :]
         taken.reverse()  # the stack's top holds the lowest ids: hand them out in order
-        in_use = self._in_use
+        for _ in range(num_blocks - from_stack):
+            taken.append(self._evict_oldest())
+        ref = self._ref
         for b in taken:
-            in_use[b] = 1
+            ref[b] = 1
         return taken
 
-    def free(self, block_ids: Iterable[int]) -> None:
-        in_use = self._in_use
+    def _evict_oldest(self) -> int:
+        block, _ = self._evictable.popitem(last=False)
+        del self.by_hash[self._hash_of.pop(block)]
+        self.num_evictions += 1
+        return block
+
+    def share(self, block_ids: Iterable[int]) -> None:
+        """Takes one more reference on registered blocks (a prefix hit); blocks nobody used
+        leave the LRU."""
+        ref, evictable, hashed = self._ref, self._evictable, self._hash_of
         for b in block_ids:
-            if not 0 <= b < self.num_blocks or not in_use[b]:
+            if b not in hashed:
+                raise KVAllocationError(f"block {b} shared but not registered in the prefix cache")
+            if ref[b] == 0:
+                del evictable[b]
+            ref[b] += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drops one reference per id; a block nobody references goes to the free stack, or
+        to the LRU's young end when it is registered (its KV stays reusable)."""
+        ref, hashed = self._ref, self._hash_of
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks or ref[b] <= 0:
                 raise KVAllocationError(f"block {b} freed but not allocated")
-            in_use[b] = 0
-            self._free.append(b)
+            ref[b] -= 1
+            if ref[b] == 0:
+                if b in hashed:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def register(self, block_id: int, block_hash: int) -> bool:
+        """Files a computed full block under its prefix hash; False when the hash already has
+        a block (the same prefix computed twice: the first copy stays the cached one)."""
+        if block_hash in self.by_hash or block_id in self._hash_of:
+            return False
+        if self._ref[block_id] <= 0:
+            raise KVAllocationError(f"block {block_id} registered but not allocated")
+        self.by_hash[block_hash] = block_id
+        self._hash_of[block_id] = block_hash
+        return True
+
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """Blocks of the longest run of `hashes`, from the first, that the cache holds."""
+        hits: list[int] = []
+        by_hash = self.by_hash
+        for h in hashes:
+            b = by_hash.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def num_taken_from_free(self, block_ids: Iterable[int]) -> int:
+        """How many of these registered blocks sit in the LRU (sharing them takes them out)."""
+        ref = self._ref
+        return sum(1 for b in block_ids if ref[b] == 0)
+
+    def clear_cache(self) -> None:
+        """Forgets every hash (the worker's KV is no longer trusted); LRU blocks become plain free."""
+        self._free.extend(reversed(self._evictable))
+        self.num_evictions += len(self._hash_of) + 1
+        self._evictable.clear()
+        self._hash_of.clear()
+        self.by_hash.clear()
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
 
     def is_allocated(self, block_id: int) -> bool:
-        return bool(self._in_use[block_id])
+        return self._ref[block_id] > 0
+
+    def is_registered(self, block_id: int) -> bool:
+        return block_id in self._hash_of
 
     def check_invariants(self) -> None:
-        if len(set(self._free)) != len(self._free):
+        free, evictable, ref = self._free, self._evictable, self._ref
+        if len(set(free)) != len(free):
             raise KVAllocationError("a block is on the free list twice")
-        if any(self._in_use[b] for b in self._free):
+        if any(ref[b] for b in free) or any(ref[b] for b in evictable):
             raise KVAllocationError("a block is both free and in use")
-        if len(self._free) + sum(self._in_use) != self.num_blocks:
-            raise KVAllocationError("free + in use != total")
+        if any(b in self._hash_of for b in free) or any(b not in self._hash_of for b in evictable):
+            raise KVAllocationError("the free list holds a registered block, or the LRU an unregistered one")
+        if len(free) + len(evictable) + sum(1 for r in ref if r > 0) != self.num_blocks:
+            raise KVAllocationError("free + cached + in use != total")
+        if any(self.by_hash.get(h) != b for b, h in self._hash_of.items()) or len(self.by_hash) != len(self._hash_of):
+            raise KVAllocationError("the prefix hash map and the block hashes disagree")
 
 
 class KVCacheManager:
-    """Block tables of the requests on one worker, over a GPU and a CPU pool."""
+    """Block tables of the requests on one worker, over a GPU and a CPU pool.
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, worker_id: int = 0) -> None:
+    With `prefix_caching`, computed full blocks are registered in the GPU pool's prefix
+    cache (`cache_blocks`), found again by `lookup_prefix` and shared by reference; without
+    it nothing is ever registered and every block has one owner, as before."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        worker_id: int = 0,
+        prefix_caching: bool = False,
+    ) -> None:
         self.worker_id = worker_id
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.gpu = BlockPool(num_gpu_blocks, block_size)
         self.cpu = BlockPool(num_cpu_blocks, block_size)
         self.gpu_tables: dict[str, list[int]] = {}
         self.cpu_tables: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}  # leading blocks of a table already offered to the cache
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -157,18 +287,31 @@ class KVCacheManager:
         table = self.gpu_tables.get(request_id)
         return len(table) * self.block_size if table else 0
 
-    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
+    def num_new_blocks(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> int:
+        """Free blocks the request takes to cover `num_tokens`: new ones, plus the LRU blocks
+        among a prefix hit it would share (for a request without a table)."""
         table = self.gpu_tables.get(request_id)
         have = len(table) if table else 0
-        return max(0, self.num_blocks_for(num_tokens) - have)
+        if have or not prefix:
+            return max(0, self.num_blocks_for(num_tokens) - have)
+        fresh = max(0, self.num_blocks_for(num_tokens) - len(prefix))
+        return fresh + self.gpu.num_taken_from_free(prefix)
 
-    def can_allocate(self, request_id: str, num_tokens: int, reserve: str | None = None) -> bool:
-        return self.num_new_blocks(request_id, num_tokens) <= self.gpu.num_available(reserve)
+    def can_allocate(
+        self, request_id: str, num_tokens: int, reserve: str | None = None, prefix: Sequence[int] = ()
+    ) -> bool:
+        return self.num_new_blocks(request_id, num_tokens, prefix) <= self.gpu.num_available(reserve)
 
-    def allocate(self, request_id: str, num_tokens: int, reserve: str | None = None) -> list[int] | None:
+    def allocate(
+        self, request_id: str, num_tokens: int, reserve: str | None = None, prefix: Sequence[int] = ()
+    ) -> list[int] | None:
         """Grows the request's GPU table to cover `num_tokens`; returns the new block ids,
-        [] when it already does, None (and changes nothing) when the blocks are not there."""
+        [] when it already does, None (and changes nothing) when the blocks are not there.
+        `prefix`: cached blocks (from `lookup_prefix`) a table-less request starts with,
+        shared rather than allocated."""
         table = self.gpu_tables.get(request_id)
+        if table is None and prefix:
+            return self._allocate_with_prefix(request_id, num_tokens, reserve, prefix)
         have = len(table) if table else 0
         need = -(-num_tokens // self.block_size) - have
         if need <= 0:
@@ -182,12 +325,54 @@ class KVCacheManager:
             table.extend(new)
         return new
 
+    def _allocate_with_prefix(
+        self, request_id: str, num_tokens: int, reserve: str | None, prefix: Sequence[int]
+    ) -> list[int] | None:
+        need = max(0, self.num_blocks_for(num_tokens) - len(prefix))
+        if need + self.gpu.num_taken_from_free(prefix) > self.gpu.num_available(reserve):
+            return None
+        self.gpu.share(prefix)
+        new = self.gpu.allocate(need, reserve)
+        assert new is not None  # NOTE: checked above; sharing took exactly the LRU blocks counted
+        self.gpu_tables[request_id] = [*prefix, *new]
+        self._num_registered[request_id] = len(prefix)
+        return new
+
+    def lookup_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """Cached blocks of the longest prefix of `hashes` (the request's full-block hashes)."""
+        return self.gpu.lookup(hashes) if self.prefix_caching else []
+
+    def cache_blocks(self, request_id: str, hashes: Sequence[int], num_full_blocks: int) -> None:
+        """Registers the request's first `num_full_blocks` blocks (full, KV computed) under
+        `hashes`; blocks offered before are skipped, so this is O(new blocks)."""
+        table = self.gpu_tables.get(request_id)
+        if not self.prefix_caching or table is None:
+            return
+        done = self._num_registered.get(request_id, 0)
+        upto = min(num_full_blocks, len(table), len(hashes))
+        register = self.gpu.register
+        for i in range(done, upto):
+            register(table[i], hashes[i])
+        if upto > done:
+            self._num_registered[request_id] = upto
+
+    def num_registered(self, request_id: str) -> int:
+        """Leading blocks of the request's table already offered to the prefix cache."""
+        return self._num_registered.get(request_id, 0)
+
+    def clear_prefix_cache(self) -> None:
+        """The worker's KV can no longer be trusted (a failed step, a lost worker)."""
+        self.gpu.clear_cache()
+        self._num_registered.clear()
+
     def free(self, request_id: str) -> int:
-        """Frees every block of the request on both tiers; returns the number freed."""
+        """Releases every block of the request on both tiers; returns the number released.
+        GPU blocks go tail first, so the LRU evicts a request's last blocks before its prefix."""
         n = 0
+        self._num_registered.pop(request_id, None)
         table = self.gpu_tables.pop(request_id, None)
         if table:
-            self.gpu.free(table)
+            self.gpu.free(reversed(table))
             n += len(table)
         table = self.cpu_tables.pop(request_id, None)
         if table:
@@ -203,9 +388,12 @@ class KVCacheManager:
         keep = self.num_blocks_for(num_tokens_kept)
         tail = table[keep:]
         del table[keep:]
-        self.gpu.free(tail)
+        self.gpu.free(reversed(tail))
+        if request_id in self._num_registered:
+            self._num_registered[request_id] = min(self._num_registered[request_id], keep)
         if not table:
             del self.gpu_tables[request_id]
+            self._num_registered.pop(request_id, None)
         return tail
 
     def transfer_tail(self, src_id: str, dst_id: str, num_blocks: int) -> list[int]:
@@ -215,15 +403,21 @@ class KVCacheManager:
         if num_blocks > len(src):
             raise KVAllocationError(f"{src_id} owns {len(src)} blocks, cannot lend {num_blocks}")
         moved = src[len(src) - num_blocks :]
+        if any(self.gpu.ref_count(b) != 1 or self.gpu.is_registered(b) for b in moved):
+            raise KVAllocationError(f"{src_id} cannot lend shared or cached blocks")
         del src[len(src) - num_blocks :]
+        if src_id in self._num_registered:
+            self._num_registered[src_id] = min(self._num_registered[src_id], len(src))
         if not src:
             self.gpu_tables.pop(src_id, None)
+            self._num_registered.pop(src_id, None)
         self.gpu_tables.setdefault(dst_id, []).extend(moved)
         return moved
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
-        """Moves the request's GPU blocks to CPU blocks; returns (gpu, cpu) pairs, or None
-        when the swap space is full (nothing changes then)."""
+        """Copies the request's GPU blocks to CPU blocks and releases the GPU ones; returns
+        (gpu, cpu) pairs, or None when the swap space is full (nothing changes then). Shared
+        prefix blocks are copied too (the CPU copy is the request's own) and stay cached."""
         table = self.gpu_tables.get(request_id)
         if not table:
             return []
@@ -231,7 +425,8 @@ class KVCacheManager:
         if cpu is None:
             return None
         del self.gpu_tables[request_id]
-        self.gpu.free(table)
+        self._num_registered.pop(request_id, None)
+        self.gpu.free(reversed(table))
         self.cpu_tables[request_id] = cpu
         return list(zip(table, cpu, strict=True))
 
@@ -251,19 +446,27 @@ class KVCacheManager:
         return list(zip(table, gpu, strict=True))
 
     def check_invariants(self) -> None:
-        """No block owned twice, every owned block allocated, every allocated block owned."""
+        """Every reference is a table entry and every table entry a reference; a block is
+        named twice in one table never, by two tables only when it is a registered (cached,
+        read-only) block; every allocated block is owned."""
         for pool, tables in ((self.gpu, self.gpu_tables), (self.cpu, self.cpu_tables)):
             pool.check_invariants()
-            owned = [b for t in tables.values() for b in t]
-            if len(owned) != len(set(owned)):
+            owners: dict[int, int] = {}
+            for table in tables.values():
+                if len(set(table)) != len(table):
+                    raise KVAllocationError("a table names one block twice")
+                for b in table:
+                    owners[b] = owners.get(b, 0) + 1
+            if any(n > 1 and not pool.is_registered(b) for b, n in owners.items()):
                 raise KVAllocationError("a block is owned by two requests")
-            if any(not pool.is_allocated(b) for b in owned):
-                raise KVAllocationError("a request owns a free block")
-            if len(owned) != pool.num_used:
-                raise KVAllocationError(f"leak: {pool.num_used} blocks in use, {len(owned)} owned")
+            if any(pool.ref_count(b) != n for b, n in owners.items()):
+                raise KVAllocationError("a request owns a block whose reference count disagrees")
+            if len(owners) != pool.num_used:
+                raise KVAllocationError(f"leak: {pool.num_used} blocks in use, {len(owners)} owned")
 
     def assert_empty(self) -> None:
-        """The leak check that ends every core and policy test."""
+        """The leak check that ends every core and policy test (cached blocks nobody
+        references are free: they may stay in the LRU)."""
         self.check_invariants()
         if self.gpu_tables or self.cpu_tables:
             raise KVAllocationError(f"requests still own KV: {sorted(self.gpu_tables) + sorted(self.cpu_tables)}")
@@ -277,10 +480,12 @@ class KVAccounting:
     def __init__(self) -> None:
         self.workers: dict[int, KVCacheManager] = {}
 
-    def add_worker(self, worker_id: int, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> KVCacheManager:
+    def add_worker(
+        self, worker_id: int, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, prefix_caching: bool = False
+    ) -> KVCacheManager:
         if worker_id in self.workers:
             raise ValueError(f"worker {worker_id} already has a KV pool")
-        manager = KVCacheManager(num_gpu_blocks, num_cpu_blocks, block_size, worker_id)
+        manager = KVCacheManager(num_gpu_blocks, num_cpu_blocks, block_size, worker_id, prefix_caching)
         self.workers[worker_id] = manager
         return manager
 

@@ -5,7 +5,9 @@ accounting (`kvstore.accounting`): token t of a request lives at block
 `block_table[t // block_size]`, offset `t % block_size`, i.e. flat slot
 `block_table[t // block_size] * block_size + t % block_size` (its `slot_mapping` entry).
 
-    kv   [num_layers, 2 (K, V), num_gpu_blocks, block_size, num_kv_heads, head_dim]
+    kv   [num_layers, 2 (K, V), num_gpu_blocks + 1, block_size, num_kv_heads, head_dim]
+         the last block (`pad_block`) belongs to no request: padded rows of a CUDA-graph
+         batch write and read there, so padding never touches a scheduler-owned block
     cpu  [num_cpu_blocks, bytes_per_block] uint8, block-major: a swapped block is one
          contiguous run of bytes (its layers, K and V), so a swap copies whole rows
 
@@ -15,10 +17,13 @@ float32 scale and zero point per (layer, K/V, head, dim) channel. `cpu_int8[b]` 
 which, so a swap-in dequantizes exactly the blocks that were quantized.
 
 A step: `swapping()` wraps the KV moves (on CUDA they run on their own stream; the forward
-waits only for the GPU-side part, device-to-host copies overlap it), then `PagedAttention`
-serves the forward pass: each layer writes its new K/V through the slot_mapping, then
-attends over the request's block table (cached prefix + this step's chunk). Decodes are
-batched into one padded call; each prefill chunk is one call.
+waits only for the GPU-side part, device-to-host copies overlap it and may finish after
+the step: later copies queue behind them on the same stream), then the forward pass
+attends through an `Attention`: each layer writes its new K/V through the slot_mapping,
+then attends over the request's block table (cached prefix + this step's chunk).
+`PagedAttention` here is the torch path (CPU, and the CUDA baseline): it gathers each
+sequence's blocks, decodes batched into one padded call, each prefill chunk one call;
+`kvstore.kernel_attention` is the CUDA path, Triton kernels reading the blocks in place.
 """
 
 from __future__ import annotations
@@ -118,7 +123,8 @@ class PagedKVCache:
         self.device = device
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        shape = (spec.num_layers, 2, num_gpu_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.pad_block = num_gpu_blocks
+        shape = (spec.num_layers, 2, num_gpu_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.is_cuda = device.type == "cuda"
         self.cpu = torch.zeros((num_cpu_blocks, spec.bytes_per_block), dtype=torch.uint8, pin_memory=self.is_cuda)
@@ -194,13 +200,16 @@ class PagedKVCache:
         self._scatter_gpu(dst_ids, self._gather_gpu(src_ids))
         return len(src_ids) * self.spec.bytes_per_block
 
+    def _index(self, ids: Sequence[int]) -> torch.Tensor:
+        # NOTE: non-blocking: a blocking copy would wait on the swap stream, i.e. for the
+        # device-to-host copies earlier steps left running there.
+        return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+
     def _gather_gpu(self, ids: Sequence[int]) -> torch.Tensor:
-        index = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return self.kv[:, :, index].permute(2, 0, 1, 3, 4, 5).contiguous()
+        return self.kv[:, :, self._index(ids)].permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def _scatter_gpu(self, ids: Sequence[int], data: torch.Tensor) -> None:
-        index = torch.tensor(ids, dtype=torch.long, device=self.device)
-        self.kv[:, :, index] = data.to(self.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
+        self.kv[:, :, self._index(ids)] = data.to(self.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
 
     def _pack_int8(self, data: torch.Tensor) -> torch.Tensor:
         codes, lam, z = quantize_int8(data, dim=3)

@@ -1,12 +1,20 @@
 """The scheduler's gRPC face: `sluice.v1.GenerationService` over a LiveScheduler.
 
-    Generate(GenerateRequest) --LiveScheduler.submit--> RequestStream
-        INVALID_ARGUMENT (field named) | RESOURCE_EXHAUSTED + RetryInfo (queue full)
+    Generate(GenerateRequest) --LiveScheduler.submit (caller's identity, x-request-id)--> RequestStream
+        INVALID_ARGUMENT + BadRequest (field named) | RESOURCE_EXHAUSTED + RetryInfo (queue full)
         | UNAVAILABLE (no healthy worker)
-    <-- GenerateResponse per batch of new tokens (ids + text delta) ... last: finish reason,
-        usage, timings; a cancelled or expired call aborts the request in `finally`
-    Abort(ids) --LiveScheduler.abort--> idempotent
+    --> initial metadata: x-request-id, x-max-tokens
+    <-- GenerateResponse per batch of new tokens (ids + text delta) ... last: finish reason
+        STOP / LENGTH / ABORT, usage, timings; a request that failed instead ends with the
+        status of its ending (`ending_status`) and an ErrorInfo detail; a cancelled or expired
+        call aborts the request in `finally`
+    Abort(ids) --LiveScheduler.abort--> idempotent; the requests' owner only (PERMISSION_DENIED)
     GetServerInfo / GetStats: read the cluster, KV managers and metrics, change nothing
+
+One status rule: a request that fails ends with a non-OK status, never with a final message
+and OK: UNAVAILABLE when no worker is left (or the server shuts down), RESOURCE_EXHAUSTED for
+capacity (with RetryInfo when a retry may succeed), INVALID_ARGUMENT for the request itself,
+DEADLINE_EXCEEDED for the queue timeout, INTERNAL when a worker failed on it.
 
 Standard health: `""` is liveness (SERVING while the process serves), the GenerationService
 name is readiness (SERVING while at least one worker steps). Reflection lists both. The
@@ -15,34 +23,35 @@ streaming handler is an async generator so OpenTelemetry's aio interceptor can w
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
-from importlib.metadata import PackageNotFoundError, version
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from scheduler_service.core.preemption import RejectReason
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.sampling import InvalidRequestError
-from scheduler_service.live.service import LiveScheduler, Rejected
-from scheduler_service.live.stream import Chunk
-from scheduler_service.plan_codec import SERVER_OPTIONS
-from sluice.common import telemetry
+from scheduler_service.live.intake import MAX_ABORT_IDS, check_id
+from scheduler_service.live.service import LiveScheduler, NotOwner, Rejected
+from scheduler_service.live.stream import Chunk, RequestStream
+from sluice.common.grpc_server import KEEPALIVE, GrpcServer, Keepalive
+from sluice.common.security import ServerSecurity
+from sluice.common.version import sluice_version
+from sluice.contract.sampling import InvalidRequestError
 from sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME: str = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 ERROR_DOMAIN = "sluice.dev"
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+REQUEST_ID_KEY = "x-request-id"
+MAX_TOKENS_KEY = "x-max-tokens"
+# NOTE: the Generation API takes prompts, not plans: 16 MiB lets a prompt of any size up to it
+# reach the byte check (INVALID_ARGUMENT naming `text`) instead of gRPC's own RESOURCE_EXHAUSTED.
+MAX_REQUEST_BYTES = 16 * 2**20
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: common_pb2.FINISH_REASON_STOP,
@@ -52,13 +61,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_REJECTED: common_pb2.FINISH_REASON_REJECTED,
     RequestStatus.FINISHED_ERROR: common_pb2.FINISH_REASON_ERROR,
 }
-
-
-def sluice_version() -> str:
-    try:
-        return version("sluice")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 # ---------------------------------------------------------------- final message
@@ -112,16 +114,33 @@ def final_response(chunk: Chunk) -> generation_pb2.GenerateResponse:
 # ---------------------------------------------------------------- errors
 
 
+def _packed(*details: object) -> list[any_pb2.Any]:
+    out = []
+    for detail in details:
+        packed = any_pb2.Any()
+        packed.Pack(detail)
+        out.append(packed)
+    return out
+
+
+def _status(code: int, message: str, *details: object) -> grpc.Status:
+    return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=_packed(*details)))
+
+
 def queue_full_status(message: str, retry_after_s: float) -> grpc.Status:
     """RESOURCE_EXHAUSTED with RetryInfo and ErrorInfo details: gRPC itself answers
     RESOURCE_EXHAUSTED for oversized messages, so clients need the details to tell
     backpressure (retry later) from a request that will never fit."""
-    retry = any_pb2.Any()
-    retry.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(nanos=int(retry_after_s * 1e9))))
-    info = any_pb2.Any()
-    info.Pack(error_details_pb2.ErrorInfo(reason="QUEUE_FULL", domain=ERROR_DOMAIN))
-    status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message, details=[retry, info])
-    return rpc_status.to_status(status)
+    retry = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(nanos=int(retry_after_s * 1e9)))
+    info = error_details_pb2.ErrorInfo(reason="QUEUE_FULL", domain=ERROR_DOMAIN)
+    return _status(code_pb2.RESOURCE_EXHAUSTED, message, retry, info)
+
+
+def invalid_argument_status(exc: InvalidRequestError) -> grpc.Status:
+    """INVALID_ARGUMENT with a google.rpc.BadRequest naming the field (the message starts with it too)."""
+    description = str(exc).removeprefix(f"{exc.field}: ")
+    violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=description)
+    return _status(code_pb2.INVALID_ARGUMENT, str(exc), error_details_pb2.BadRequest(field_violations=[violation]))
 
 
 async def abort_rejected(context: grpc.aio.ServicerContext, exc: Rejected, retry_after_s: float) -> None:
@@ -129,46 +148,124 @@ async def abort_rejected(context: grpc.aio.ServicerContext, exc: Rejected, retry
         await context.abort_with_status(queue_full_status(str(exc), retry_after_s))
     if exc.reason is RejectReason.NO_WORKER:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-    if exc.reason in (RejectReason.DUPLICATE_ID, RejectReason.PROMPT_TOO_LONG):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if exc.reason in (RejectReason.DUPLICATE_ID, RejectReason.PROMPT_TOO_LONG, RejectReason.EXCEEDS_KV_CAPACITY):
+        field = "request_id" if exc.reason is RejectReason.DUPLICATE_ID else "prompt"
+        await context.abort_with_status(invalid_argument_status(InvalidRequestError(field, str(exc))))
     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+
+
+# How a request that was accepted and then failed ends: by status, then by the reject reason
+# that starts its finish message ("no_worker", "prompt_too_long: ...").
+_REJECTED_CODES: dict[str, int] = {
+    RejectReason.NO_WORKER: code_pb2.UNAVAILABLE,
+    RejectReason.QUEUE_FULL: code_pb2.RESOURCE_EXHAUSTED,
+    RejectReason.UNSCHEDULABLE: code_pb2.RESOURCE_EXHAUSTED,
+    RejectReason.PROMPT_TOO_LONG: code_pb2.INVALID_ARGUMENT,
+    RejectReason.EXCEEDS_KV_CAPACITY: code_pb2.INVALID_ARGUMENT,
+    RejectReason.DUPLICATE_ID: code_pb2.INVALID_ARGUMENT,
+}
+
+
+def ending_code(request: Request, stream: RequestStream) -> int:
+    """The status code of a request's ending; OK for the endings a final message reports."""
+    status = request.status
+    if stream.unavailable:
+        return code_pb2.UNAVAILABLE
+    if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED):
+        return code_pb2.OK
+    if status is RequestStatus.FINISHED_TIMEOUT:
+        return code_pb2.DEADLINE_EXCEEDED
+    if status is RequestStatus.FINISHED_REJECTED:
+        reason = request.finish_message.split(":", 1)[0].strip()
+        return _REJECTED_CODES.get(reason, code_pb2.RESOURCE_EXHAUSTED)
+    return code_pb2.INTERNAL
+
+
+def ending_status(request: Request, code: int) -> grpc.Status:
+    """A failed request's status: its message, an ErrorInfo naming its FinishReason and usage."""
+    reason = common_pb2.FinishReason.Name(_FINISH_REASONS.get(request.status, common_pb2.FINISH_REASON_ERROR))
+    info = error_details_pb2.ErrorInfo(
+        reason=reason.removeprefix("FINISH_REASON_"),
+        domain=ERROR_DOMAIN,
+        metadata={
+            "request_id": request.request_id,
+            "finish_reason": reason,
+            "prompt_tokens": str(request.num_prompt_tokens),
+            "completion_tokens": str(request.num_output_tokens),
+        },
+    )
+    message = request.finish_message or request.status.name.lower()
+    return _status(code, message, info)
 
 
 # ---------------------------------------------------------------- the service
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, live: LiveScheduler) -> None:
+    def __init__(self, live: LiveScheduler, security: ServerSecurity | None = None) -> None:
         self.live = live
+        self.security = security or ServerSecurity()
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        try:
-            stream = self.live.submit(request)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Rejected as exc:
-            await abort_rejected(context, exc, self.live.config.retry_after_s)
+        stream = await self._admit(request, context)
         rid = stream.request.request_id
         ended = False
         try:
+            await context.send_initial_metadata(
+                ((REQUEST_ID_KEY, rid), (MAX_TOKENS_KEY, str(stream.request.sampling.max_tokens)))
+            )
             async for chunk in stream.messages():
                 if chunk.final is None:
                     yield generation_pb2.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text)
-                else:
-                    ended = True
+                    continue
+                ended = True
+                code = ending_code(chunk.final, stream)
+                if code == code_pb2.OK:
                     yield final_response(chunk)
+                    return
+                if chunk.token_ids or chunk.text:
+                    yield generation_pb2.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text)
+                await context.abort_with_status(ending_status(chunk.final, code))
         finally:
             # NOTE: a client cancel or deadline arrives here as CancelledError (or
             # GeneratorExit); the request's blocks are freed now, the worker's at its next step.
             if not ended:
                 self.live.abort(rid, "client cancelled or deadline exceeded")
 
+    async def _admit(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestStream:
+        header = dict(context.invocation_metadata() or ()).get(REQUEST_ID_KEY, "")
+        try:
+            if header and request.request_id and header != request.request_id:
+                raise InvalidRequestError("request_id", f"differs from the {REQUEST_ID_KEY} metadata")
+            owner = self.security.identity(context)
+            return await self.live.submit(request, owner=owner, request_id=str(header))
+        except InvalidRequestError as exc:
+            await context.abort_with_status(invalid_argument_status(exc))
+        except Rejected as exc:
+            await abort_rejected(context, exc, self.live.config.retry_after_s)
+        raise AssertionError("unreachable: abort raises")
+
     async def Abort(
         self, request: generation_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.AbortResponse:
-        aborted = [rid for rid in request.request_ids if self.live.abort(rid, "aborted by Abort")]
+        ids = list(request.request_ids)
+        try:
+            if len(ids) > MAX_ABORT_IDS:
+                raise InvalidRequestError("request_ids", f"has {len(ids)} ids; the limit is {MAX_ABORT_IDS}")
+            for i, rid in enumerate(ids):
+                check_id(rid, f"request_ids[{i}]")
+        except InvalidRequestError as exc:
+            await context.abort_with_status(invalid_argument_status(exc))
+        owner = self.security.identity(context)
+        try:
+            self.live.check_owner(ids, owner)
+        except NotOwner as exc:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"request_ids: {exc.args[0]!r} belongs to another caller"
+            )
+        aborted = [rid for rid in ids if self.live.abort(rid, "aborted by Abort", owner=owner)]
         return generation_pb2.AbortResponse(aborted_ids=aborted)
 
     async def GetServerInfo(
@@ -195,6 +292,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             max_waiting=live.config.max_waiting,
             block_size=live.block_size,
             workers=workers,
+            max_prompt_tokens=live.limits.max_prompt_tokens,
+            default_max_tokens=live.config.default_max_tokens,
+            max_prompt_bytes=live.limits.prompt_bytes,
+            vocab_size=live.limits.vocab_size,
         )
 
     async def GetStats(
@@ -236,65 +337,62 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
 
 def build_server(
-    live: LiveScheduler, port: int, *, host: str = "127.0.0.1", health_servicer: health.aio.HealthServicer | None = None
-) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """An unstarted aio server with the generation, health and reflection services over a
-    started LiveScheduler; port 0 picks one. Readiness follows the workers' health."""
-    health_servicer = health_servicer or health.aio.HealthServicer()
-    interceptors = telemetry.grpc_server_interceptors() if telemetry.tracing_enabled() else None
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(live), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
-
-    def on_health(healthy: bool) -> None:
-        asyncio.get_running_loop().create_task(health_servicer.set(SERVICE_NAME, _SERVING if healthy else _NOT_SERVING))
-
-    live.on_health = on_health
-    return server, bound, health_servicer
-
-
-async def start_health(live: LiveScheduler, health_servicer: health.aio.HealthServicer) -> None:
-    await health_servicer.set("", _SERVING)
-    await health_servicer.set(SERVICE_NAME, _SERVING if live.is_healthy else _NOT_SERVING)
-
-
-async def shutdown(
-    server: grpc.aio.Server,
-    health_servicer: health.aio.HealthServicer,
     live: LiveScheduler,
-    grace_s: float = 5.0,
-    drain_s: float = 0.5,
-) -> None:
-    """Health first (balancers stop sending), then in-flight streams get grace_s, then the loops stop."""
-    await health_servicer.enter_graceful_shutdown()
-    await asyncio.sleep(drain_s)
-    await server.stop(grace_s)
-    await live.close()
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    security: ServerSecurity | None = None,
+    health_port: int | None = None,
+    keepalive: Keepalive = KEEPALIVE,
+) -> GrpcServer:
+    """An unstarted server with the generation, health and reflection services over a
+    started LiveScheduler; port 0 picks one. Readiness follows the workers' health."""
+    security = security or ServerSecurity()
+    servicer = GenerationServicer(live, security)
+    server = GrpcServer.build(
+        SERVICE_NAME,
+        lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s),
+        host,
+        port,
+        security=security,
+        health_port=health_port,
+        keepalive=keepalive,
+        max_receive_bytes=MAX_REQUEST_BYTES,
+    )
+    live.on_health = server.set_ready_soon
+    return server
 
 
 class SchedulerServer:
     """The whole scheduler in-process: workers dialled, loops running, gRPC serving."""
 
-    def __init__(self, live: LiveScheduler, server: grpc.aio.Server, port: int, health_servicer) -> None:
+    def __init__(self, live: LiveScheduler, grpc_server: GrpcServer) -> None:
         self.live = live
-        self.server = server
-        self.port = port
-        self.health = health_servicer
+        self.grpc = grpc_server
+        self.server = grpc_server.server
+        self.port = grpc_server.port
+        self.health = grpc_server.health
 
     @classmethod
-    async def start(cls, live: LiveScheduler, port: int = 0, *, host: str = "127.0.0.1") -> SchedulerServer:
+    async def start(
+        cls,
+        live: LiveScheduler,
+        port: int = 0,
+        *,
+        host: str = "127.0.0.1",
+        security: ServerSecurity | None = None,
+        health_port: int | None = None,
+        keepalive: Keepalive = KEEPALIVE,
+    ) -> SchedulerServer:
         await live.start()
-        server, bound, health_servicer = build_server(live, port, host=host)
-        await start_health(live, health_servicer)
-        await server.start()
-        return cls(live, server, bound, health_servicer)
+        server = build_server(live, port, host=host, security=security, health_port=health_port, keepalive=keepalive)
+        await server.start(ready=live.is_healthy)
+        return cls(live, server)
 
     async def stop(self, grace_s: float = 5.0, drain_s: float = 0.5) -> None:
-        await shutdown(self.server, self.health, self.live, grace_s, drain_s)
+        """Health first (balancers stop sending), then in-flight streams get grace_s, then the loops stop."""
+        await self.grpc.stop(grace_s, drain_s)
+        await self.live.close()
 
 
 def worker_addresses(values: Sequence[str]) -> list[str]:

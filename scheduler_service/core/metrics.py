@@ -30,7 +30,7 @@ from scheduler_service.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from kvstore.accounting import KVCacheManager
-    from scheduler_service.core.plan import StepPlan, StepResult
+    from sluice.contract.plan import StepPlan, StepResult
 
 METRIC_KEYS = (
     "throughput_tok_s",
@@ -99,6 +99,10 @@ class MetricsRecorder:
         self.swap_bytes = 0
         self.pad_tokens = 0
         self.invalid_tokens = 0
+        self.prefill_tokens = 0  # prompt (and recomputed) tokens computed by forward passes
+        self.prefix_lookups = 0  # admissions of a KV-less request with prefix caching on
+        self.prefix_query_tokens = 0  # their tokens
+        self.prefix_hit_tokens = 0  # of which found cached (not computed again)
 
     # ------------------------------------------------------------------ events
     def on_admitted(self, request: Request) -> None:
@@ -113,6 +117,11 @@ class MetricsRecorder:
 
     def on_preempt(self, request: Request, mode: PreemptionMode, reason: PreemptionReason, now: float) -> None:
         self.preemptions[(str(mode), str(reason))] += 1
+
+    def on_prefix_lookup(self, num_tokens: int, hit_tokens: int) -> None:
+        self.prefix_lookups += 1
+        self.prefix_query_tokens += num_tokens
+        self.prefix_hit_tokens += hit_tokens
 
     def on_schedule_overhead(self, seconds: float) -> None:
         self.sched_overhead_s.append(seconds)
@@ -231,5 +240,12 @@ class MetricsRecorder:
             "swap_bytes": self.swap_bytes,
             "pad_tokens": self.pad_tokens,
             "invalid_tokens": self.invalid_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "prefix_cache": {
+                "lookups": self.prefix_lookups,
+                "query_tokens": self.prefix_query_tokens,
+                "hit_tokens": self.prefix_hit_tokens,
+                "hit_rate": self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else None,
+            },
             "window_s": self.window_s(),
         }

@@ -13,17 +13,18 @@ a `Policy` subclass and `@POLICIES.register("name")`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 from kvstore.accounting import AllocationMode
 from scheduler_service.registry import Registry
+from sluice.common.config import config_from_options
 
 if TYPE_CHECKING:
-    from scheduler_service.core.plan import StepPlan, StepResult
     from scheduler_service.core.request import Request
     from scheduler_service.core.step_builder import StepBuilder
     from scheduler_service.costmodel.base import CostModel
+    from sluice.contract.plan import StepPlan, StepResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +38,9 @@ class PolicyContext:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    cost_model: CostModel | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
+    cost_model: CostModel | None = None  # prices steps; both drivers always give one
+    tbt_slo_s: float | None = None  # the deployment's (or workload's) TBT SLO; None: not given
+    int8_swap: bool = False  # swapped KV is int8-compressed (the worker supports it)
 
 
 @dataclass
@@ -49,31 +51,18 @@ class PolicyConfig:
     allocation: str = "block"  # block | max | exact | reserved (see kvstore.accounting)
     padding: float = 0.0  # extra share of the predicted length for exact allocation
 
+    def __post_init__(self) -> None:
+        """Every count, share, budget and duration of every policy is >= 0 (0 or None means
+        "derive it" where a field says so); a negative one is refused, naming the option."""
+        for name, value in vars(self).items():
+            if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+                raise ValueError(f"option {name!r} must be >= 0, got {value}")
+
     @classmethod
     def from_options(cls, options: dict[str, str]) -> PolicyConfig:
-        """Builds the config from `key=value` strings (CLI `--policy name:key=value,...`)."""
-        known = {f.name: f for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, raw in options.items():
-            if key not in known:
-                raise ValueError(f"{cls.__name__} has no option {key!r}; known: {', '.join(sorted(known))}")
-            values[key] = _parse_value(raw, known[key].type)
-        return cls(**values)
-
-
-def _parse_value(raw: str, type_name: Any) -> Any:
-    text = str(type_name)
-    if "bool" in text:
-        if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-            raise ValueError(f"not a boolean: {raw!r}")
-        return raw.lower() in ("1", "true", "yes", "on")
-    if raw.lower() == "none" and "None" in text:
-        return None
-    if "int" in text and "float" not in text:
-        return int(raw)
-    if "float" in text:
-        return float(raw)
-    return raw
+        """Builds the config from `key=value` strings (CLI `--policy name:key=value,...`), each
+        parsed by its field's type; an unknown key or a value that does not parse names the option."""
+        return config_from_options(cls, options, cls.__name__)
 
 
 class Policy(ABC):
@@ -95,8 +84,18 @@ class Policy(ABC):
         """Tokens per step this policy aims for (compute utilization's denominator)."""
         return self.ctx.max_num_batched_tokens
 
+    @property
+    def int8_swap(self) -> bool:
+        """Whether this policy's swaps move int8-compressed KV."""
+        return self.ctx.int8_swap
+
     def on_arrival(self, request: Request, now: float) -> None:
         """A request joined this worker's waiting queue."""
+
+    def on_prediction(self, request: Request, now: float) -> None:
+        """The request's predicted output length changed after it arrived (a live prediction
+        that came back while it waited). Policies that file requests by their prediction at
+        arrival re-file them here; others read `predicted_output_tokens` where they use it."""
 
     def on_preempted(self, request: Request, now: float) -> None:
         """A request left the batch unfinished (its status says how)."""
@@ -131,4 +130,8 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, str]]:
 def build_policy(spec: str, ctx: PolicyContext) -> Policy:
     name, options = parse_policy_spec(spec)
     cls = POLICIES.get(name)
-    return cls(cls.config_cls.from_options(options), ctx)
+    try:
+        config = cls.config_cls.from_options(options)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"policy {spec!r}: {exc}") from None
+    return cls(config, ctx)

@@ -13,8 +13,9 @@ from array import array
 from enum import IntEnum
 from typing import Any
 
-from scheduler_service.core.sampling import SamplingParams
+from scheduler_service.core.prefix import PrefixSource
 from scheduler_service.core.slo import NO_SLO, SLOSpec
+from sluice.contract.sampling import SamplingParams
 
 
 class RequestStatus(IntEnum):
@@ -65,6 +66,7 @@ class Request:
 
     __slots__ = (
         "arrival_time",
+        "block_hashes",
         "eos_token_ids",
         "finish_message",
         "finish_time",
@@ -72,6 +74,7 @@ class Request:
         "first_token_time",
         "length_source",
         "max_tokens",
+        "num_cached_tokens",
         "num_computed_tokens",
         "num_output_tokens",
         "num_preemptions",
@@ -80,6 +83,8 @@ class Request:
         "policy_state",
         "predicted_output_tokens",
         "prefill_len",
+        "prefix_salt",
+        "prefix_source",
         "priority",
         "prompt_text",
         "prompt_token_ids",
@@ -112,6 +117,7 @@ class Request:
         length_source: str = "max_tokens",
         true_output_tokens: int | None = None,
         prompt_text: str | None = None,
+        prefix_source: PrefixSource | None = None,
     ) -> None:
         if num_prompt_tokens is None:
             if prompt_token_ids is None:
@@ -149,6 +155,13 @@ class Request:
         self.num_preemptions = 0
         self.traceparent = ""
         self.policy_state: Any = None
+        # Prefix caching (core/prefix.py): what names its blocks when its ids do not (simulation),
+        # the chained hashes of its full blocks (computed lazily), and the tokens its last
+        # admission found cached.
+        self.prefix_source = prefix_source
+        self.prefix_salt: int | None = None
+        self.block_hashes: list[int] | None = None
+        self.num_cached_tokens = 0
 
     @property
     def num_tokens(self) -> int:

@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from kvstore.accounting import KVCacheManager
 from scheduler_service.core.budget import TokenBudget
 from scheduler_service.core.metrics import MetricsRecorder
-from scheduler_service.core.plan import CachedRequestData, NewRequestData, StepPlan, StepResult
+from scheduler_service.core.plan_writer import PlanWriter
 from scheduler_service.core.policy import Policy
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason, RejectReason
+from scheduler_service.core.prefix import block_hashes
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
+from sluice.contract.plan import StepPlan, StepResult
 
 
 @dataclass
@@ -64,12 +66,8 @@ class Scheduler:
         self.kept: dict[str, Request] = {}
         self.returned: list[Request] = []  # handed back to the router (drained by the cluster)
         self._finished: list[Request] = []
-        self._known: set[str] = set()  # requests the worker holds
-        self._sent_blocks: dict[str, int] = {}  # blocks of each table the worker has been sent
-        self._table_replaced: set[str] = set()  # tables to send whole next time
-        self._pending_releases: list[str] = []
+        self.plans = PlanWriter(worker_id)  # what the worker has been told
         self._expiry: list[tuple[float, str]] = []
-        self._step_id = 0
         self._inflight: StepPlan | None = None
 
     # ------------------------------------------------------------------ intake
@@ -119,7 +117,7 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return False
-        self._finish(request, status, now, "aborted" if status is RequestStatus.FINISHED_ABORTED else "")
+        self.end(request, status, now, "aborted" if status is RequestStatus.FINISHED_ABORTED else "")
         return True
 
     # ------------------------------------------------------------------ one step
@@ -128,72 +126,11 @@ class Scheduler:
         budget = TokenBudget(self.policy.token_budget(now), self.config.max_num_seqs)
         step = StepBuilder(self, budget, now)
         self.policy.schedule(step, now)
-        plan = self._build_plan(step)
+        plan = self.plans.write(
+            step.scheduled, self.running, self.kv.gpu_tables, step.kv_moves, step.budget.max_tokens, step.metadata
+        )
         self._inflight = plan
         return plan
-
-    def _build_plan(self, step: StepBuilder) -> StepPlan:
-        new: list[NewRequestData] = []
-        ids: list[str] = []
-        blocks: list[tuple[int, ...]] = []
-        resumed: list[bool] = []
-        computed: list[int] = []
-        sample: list[str] = []
-        tables, running, known = self.kv.gpu_tables, self.running, self._known
-        sent, replaced = self._sent_blocks, self._table_replaced
-        for rid, n in step.scheduled.items():
-            req = running[rid]
-            table = tables[rid]
-            size = len(table)
-            if rid not in known:
-                new.append(self._new_request_data(req, table))
-                known.add(rid)
-                replaced.discard(rid)
-            elif rid in replaced:
-                replaced.discard(rid)
-                ids.append(rid)
-                blocks.append(tuple(table))
-                resumed.append(True)
-                computed.append(req.num_computed_tokens)
-            elif size > sent[rid]:
-                # NOTE: only requests whose table grew are listed: a 256-decode step whose
-                # blocks did not change sends no per-request diff at all.
-                ids.append(rid)
-                blocks.append(tuple(table[sent[rid] :]))
-                resumed.append(False)
-                computed.append(req.num_computed_tokens)
-            sent[rid] = size
-            if req.num_computed_tokens + n >= req.num_prompt_tokens + req.num_output_tokens:
-                sample.append(rid)
-        self._step_id += 1
-        releases = tuple(self._pending_releases)
-        self._pending_releases.clear()
-        return StepPlan(
-            step_id=self._step_id,
-            worker_id=self.worker_id,
-            new_requests=tuple(new),
-            cached_requests=CachedRequestData(tuple(ids), tuple(blocks), tuple(resumed), tuple(computed)),
-            num_scheduled_tokens=step.scheduled,
-            sample_ids=frozenset(sample),
-            release_ids=releases,
-            kv_moves=tuple(step.kv_moves),
-            token_budget=step.budget.max_tokens,
-            metadata=step.metadata,
-        )
-
-    @staticmethod
-    def _new_request_data(req: Request, table: list[int]) -> NewRequestData:
-        token_ids = tuple(req.all_token_ids()) if req.prompt_token_ids is not None else ()
-        return NewRequestData(
-            request_id=req.request_id,
-            prompt_token_ids=token_ids,
-            num_tokens=req.num_tokens,
-            sampling=req.sampling,
-            block_ids=tuple(table),
-            num_computed_tokens=req.num_computed_tokens,
-            num_output_tokens=req.num_output_tokens,
-            traceparent=req.traceparent,
-        )
 
     def on_step_result(self, result: StepResult, now: float) -> StepOutputs:
         plan, self._inflight = self._inflight, None
@@ -207,13 +144,19 @@ class Scheduler:
         sampled = result.sampled_token_ids
         decoding = RequestStatus.DECODING
         max_model_len = self.config.max_model_len
+        metrics = self.metrics
+        caching = self.kv.prefix_caching
         for rid, n in plan.num_scheduled_tokens.items():
             req = running.get(rid)
             if req is None:  # aborted while the step ran
                 continue
             req.num_computed_tokens += n
-            if req.status is not decoding and req.num_computed_tokens >= req.prefill_len:
-                req.status = decoding
+            if req.status is not decoding:
+                metrics.prefill_tokens += n
+                if req.num_computed_tokens >= req.prefill_len:
+                    req.status = decoding
+            if caching:
+                self._cache_computed_blocks(req)
             token = sampled.get(rid)
             if token is None:
                 continue
@@ -234,11 +177,19 @@ class Scheduler:
             ):
                 stop = self._stop_status(req, token)
                 if stop is not None:
-                    self._finish(req, stop, now)
+                    self.end(req, stop, now)
         if plan.num_scheduled_tokens:
             self.metrics.on_step(self.worker_id, plan, result, now, self.kv)
         self.policy.on_step_result(plan, result, now)
         return StepOutputs(tokens, self.pop_finished())
+
+    def _cache_computed_blocks(self, req: Request) -> None:
+        """Registers the request's newly computed full blocks in the prefix cache (after the
+        step that computed them: a block is found only once its KV exists)."""
+        kv = self.kv
+        full = req.num_computed_tokens // kv.block_size
+        if full > kv.num_registered(req.request_id):
+            kv.cache_blocks(req.request_id, block_hashes(req, kv.block_size, full), full)
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling
@@ -252,7 +203,7 @@ class Scheduler:
     # ------------------------------------------------------------------ queries
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self.kept or self._pending_releases)
+        return bool(self.waiting or self.running or self.swapped or self.kept or self.plans.has_pending_releases)
 
     @property
     def has_step_in_flight(self) -> bool:
@@ -270,16 +221,28 @@ class Scheduler:
         back, self.returned = self.returned, []
         return back
 
+    def update_prediction(self, request_id: str, tokens: int, source: str, now: float) -> bool:
+        """A prediction of the output length that arrived after the request (capped by max_tokens);
+        the policy re-files the request if it uses the prediction at arrival."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        request.predicted_output_tokens = max(1, min(tokens, request.max_tokens))
+        request.length_source = source
+        self.policy.on_prediction(request, now)
+        return True
+
     def finish(self, request_id: str, status: RequestStatus, now: float, message: str = "") -> bool:
         """Ends a request for a reason found outside the core (a stop string in the text)."""
         request = self.requests.get(request_id)
         if request is None:
             return False
-        self._finish(request, status, now, message)
+        self.end(request, status, now, message)
         return True
 
     # ------------------------------------------------------------------ transitions
-    def _admit(self, req: Request, now: float) -> None:
+    # The StepBuilder's hands: a policy's decisions become these moves between the sets.
+    def admit(self, req: Request, now: float) -> None:
         del self.waiting[req.request_id]
         self.running[req.request_id] = req
         req.status = RequestStatus.PREFILLING if req.is_prefill else RequestStatus.DECODING
@@ -293,22 +256,14 @@ class Scheduler:
             if group.pop(rid, None) is not None:
                 return
 
-    def _forget(self, rid: str) -> None:
-        """The worker must drop the request (its blocks are already free here)."""
-        self._sent_blocks.pop(rid, None)
-        self._table_replaced.discard(rid)
-        if rid in self._known:
-            self._known.discard(rid)
-            self._pending_releases.append(rid)
-
-    def _preempt(
+    def preempt(
         self, req: Request, mode: PreemptionMode, reason: PreemptionReason, now: float, *, to_front: bool
     ) -> None:
         rid = req.request_id
         self._detach(req)
         if mode is PreemptionMode.RECOMPUTE:
             self.kv.free(rid)
-            self._forget(rid)
+            self.plans.forget(rid)
             req.num_computed_tokens = 0
             req.prefill_len = req.num_tokens
             req.status = RequestStatus.PREEMPTED_RECOMPUTE
@@ -326,19 +281,19 @@ class Scheduler:
         self.metrics.on_preempt(req, mode, reason, now)
         self.policy.on_preempted(req, now)
 
-    def _resume(self, req: Request, now: float, *, table_replaced: bool) -> None:
+    def resume(self, req: Request, now: float, *, table_replaced: bool) -> None:
         self._detach(req)
         self.running[req.request_id] = req
         req.status = RequestStatus.PREFILLING if req.is_prefill else RequestStatus.DECODING
         req.queue_time += now - req.queue_enter_time
         if table_replaced:
-            self._table_replaced.add(req.request_id)
+            self.plans.replace_table(req.request_id)
 
-    def _return_to_pool(self, req: Request, now: float) -> None:
+    def return_to_pool(self, req: Request, now: float) -> None:
         rid = req.request_id
         self._detach(req)
         self.kv.free(rid)
-        self._forget(rid)
+        self.plans.forget(rid)
         del self.requests[rid]
         req.num_computed_tokens = 0
         req.prefill_len = req.num_tokens
@@ -349,15 +304,16 @@ class Scheduler:
         self.metrics.num_requests -= 1  # NOTE: counted again where it is placed next, so once in all
         self.policy.on_finished(req, now)
 
-    def _finish(self, req: Request, status: RequestStatus, now: float, message: str = "") -> None:
+    def end(self, req: Request, status: RequestStatus, now: float, message: str = "") -> None:
         rid = req.request_id
         self._detach(req)
         self.kv.free(rid)
-        self._forget(rid)
+        self.plans.forget(rid)
         self.requests.pop(rid, None)
         req.status = status
         req.finish_time = now
         req.finish_message = message
+        req.block_hashes = None  # NOTE: a 100k-token prompt's hashes are 6k ints; its blocks keep them
         self._finished.append(req)
         self.metrics.on_finish(req, now)
         self.policy.on_finished(req, now)
@@ -368,7 +324,7 @@ class Scheduler:
             _, rid = heapq.heappop(heap)
             req = self.requests.get(rid)
             if req is not None and req.status.is_waiting:
-                self._finish(req, RequestStatus.FINISHED_TIMEOUT, now, "queue timeout or deadline passed while waiting")
+                self.end(req, RequestStatus.FINISHED_TIMEOUT, now, "queue timeout or deadline passed while waiting")
 
     # ------------------------------------------------------------------ failures
     def reset_worker(self, now: float, *, error_request_id: str = "", message: str = "") -> None:
@@ -378,15 +334,13 @@ class Scheduler:
         held = [*self.running.values(), *self.kept.values(), *self.swapped.values()]
         for req in held:
             if req.request_id == error_request_id:
-                self._finish(req, RequestStatus.FINISHED_ERROR, now, message)
+                self.end(req, RequestStatus.FINISHED_ERROR, now, message)
             else:
-                self._preempt(req, PreemptionMode.RECOMPUTE, PreemptionReason.WORKER_RESET, now, to_front=True)
+                self.preempt(req, PreemptionMode.RECOMPUTE, PreemptionReason.WORKER_RESET, now, to_front=True)
         if error_request_id in self.waiting:
-            self._finish(self.waiting[error_request_id], RequestStatus.FINISHED_ERROR, now, message)
-        self._pending_releases = sorted(set(self._pending_releases) | self._known)
-        self._known.clear()
-        self._sent_blocks.clear()
-        self._table_replaced.clear()
+            self.end(self.waiting[error_request_id], RequestStatus.FINISHED_ERROR, now, message)
+        self.kv.clear_prefix_cache()  # NOTE: what the worker's cache holds is no longer known
+        self.plans.reset()
 
     def evacuate(self, now: float) -> list[Request]:
         """The worker is gone: frees everything and returns its unfinished requests, reset
@@ -394,11 +348,11 @@ class Scheduler:
         self._inflight = None
         out: list[Request] = []
         for req in [*self.running.values(), *self.kept.values(), *self.swapped.values(), *self.waiting.values()]:
-            self._return_to_pool(req, now)
+            self.return_to_pool(req, now)
             out.append(req)
         self.returned = [r for r in self.returned if r not in out]
-        self._known.clear()
-        self._pending_releases.clear()
+        self.kv.clear_prefix_cache()  # NOTE: a worker that comes back starts with an empty cache
+        self.plans.clear()
         return out
 
     def assert_empty(self) -> None:

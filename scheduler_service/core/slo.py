@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from scheduler_service.core.sampling import InvalidRequestError
+from sluice.contract.sampling import InvalidRequestError
 
 
 class SLOClass(StrEnum):

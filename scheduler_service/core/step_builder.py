@@ -5,25 +5,74 @@
 the blocks or the budget are not there, which is the policy's cue to preempt or stop.
 `preempt`, `swap_in`, `resume` and `return_to_pool` move requests between the
 scheduler's sets and record the KV moves the worker must execute.
+
+Prefix caching: a request admitted without KV (waiting, or back from a recompute) starts
+with the longest cached prefix of its blocks (`prefix_hit`), shared by reference and
+counted as computed; `schedule(req, n)` then advances it by n tokens past that prefix (at
+most what is left), so a policy that asks for a whole prompt gets the uncached rest, and one
+that asks for a chunk gets a chunk of uncached tokens. `tokens_to_compute` and
+`num_new_blocks` let a policy size a request with its hit before it decides.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
-from kvstore.accounting import AllocationMode, required_tokens
+from kvstore.accounting import AllocationMode, KVCacheManager, required_tokens
 from scheduler_service.core.budget import TokenBudget
-from scheduler_service.core.plan import KVMove, KVMoveKind
+from scheduler_service.core.metrics import MetricsRecorder
+from scheduler_service.core.plan_writer import PlanWriter
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
+from scheduler_service.core.prefix import block_hashes
 from scheduler_service.core.request import Request, RequestStatus
+from sluice.contract.plan import KVMove, KVMoveKind
+from sluice.contract.profile import BatchShape
 
-if TYPE_CHECKING:
-    from scheduler_service.core.scheduler import Scheduler
+
+class _PolicyConfig(Protocol):
+    padding: float
+
+
+class _Policy(Protocol):
+    allocation_mode: AllocationMode
+    config: _PolicyConfig
+
+    @property
+    def int8_swap(self) -> bool: ...
+
+
+class SchedulerState(Protocol):
+    """What a StepBuilder works on: the Scheduler's sets, KV, policy and transitions.
+
+    NOTE: a Protocol rather than the Scheduler class, so that this module (which the policy
+    interface names) does not import the scheduler that imports both."""
+
+    kv: KVCacheManager
+    policy: _Policy
+    metrics: MetricsRecorder
+    plans: PlanWriter
+    waiting: OrderedDict[str, Request]
+    running: dict[str, Request]
+    swapped: dict[str, Request]
+    kept: dict[str, Request]
+
+    def admit(self, req: Request, now: float) -> None: ...
+
+    def preempt(
+        self, req: Request, mode: PreemptionMode, reason: PreemptionReason, now: float, *, to_front: bool
+    ) -> None: ...
+
+    def resume(self, req: Request, now: float, *, table_replaced: bool) -> None: ...
+
+    def return_to_pool(self, req: Request, now: float) -> None: ...
+
+    def end(self, req: Request, status: RequestStatus, now: float, message: str = "") -> None: ...
 
 
 class StepBuilder:
-    def __init__(self, scheduler: Scheduler, budget: TokenBudget, now: float) -> None:
+    def __init__(self, scheduler: SchedulerState, budget: TokenBudget, now: float) -> None:
         self._sched = scheduler
         self.kv = scheduler.kv
         self.budget = budget
@@ -35,6 +84,8 @@ class StepBuilder:
         self._block_mode = scheduler.policy.allocation_mode in (AllocationMode.BLOCK, AllocationMode.RESERVED)
         self._tables = scheduler.kv.gpu_tables
         self._block_size = scheduler.kv.block_size
+        self._caching = scheduler.kv.prefix_caching
+        self._hits: dict[str, tuple[int, list[int]]] = {}  # request id -> (pool evictions then, hit)
 
     # Views of the scheduler's sets (ordered: waiting FCFS with preempted at the head,
     # running in admission order).
@@ -57,6 +108,10 @@ class StepBuilder:
     def is_scheduled(self, request: Request) -> bool:
         return request.request_id in self.scheduled
 
+    def kv_known_to_worker(self, request: Request) -> bool:
+        """The worker holds the request (its KV was computed there): a swap would copy it."""
+        return self._sched.plans.knows(request.request_id)
+
     def tokens_to_cover(self, request: Request, num_tokens: int, mode: AllocationMode | None = None) -> int:
         """Tokens the request's blocks must hold if it advances by num_tokens now."""
         policy = self._sched.policy
@@ -73,7 +128,53 @@ class StepBuilder:
         self, request: Request, num_tokens: int, *, cover: int | None = None, reserve: str | None = None
     ) -> bool:
         target = cover if cover is not None else self.tokens_to_cover(request, num_tokens)
-        return self.kv.can_allocate(request.request_id, target, reserve)
+        return self.kv.can_allocate(request.request_id, target, reserve, self.prefix_hit(request))
+
+    # ------------------------------------------------------------------ prefix caching
+    def prefix_hit(self, request: Request) -> list[int]:
+        """Cached blocks a KV-less waiting request would start with if admitted now: the
+        longest cached run of its full blocks, short of its last token (which must be
+        computed to sample). [] without prefix caching or for a request holding KV."""
+        if (
+            not self._caching
+            or request.num_computed_tokens
+            or request.request_id in self._tables
+            or not request.status.is_waiting
+        ):
+            return []
+        evictions = self.kv.gpu.num_evictions
+        memo = self._hits.get(request.request_id)
+        if memo is not None and memo[0] == evictions:
+            return memo[1]
+        size = self._block_size
+        limit = (request.num_tokens - 1) // size
+        hit = self.kv.lookup_prefix(block_hashes(request, size, limit)) if limit > 0 else []
+        self._hits[request.request_id] = (evictions, hit)
+        return hit
+
+    def batch_shape(self) -> BatchShape:
+        """The shape of the step so far, as the simulated executor prices it: each scheduled
+        request a decode over its context or a chunk over its computed prefix (a prefix hit is
+        computed from the moment it is admitted)."""
+        shape = BatchShape()
+        running = self._sched.running
+        for rid, n in self.scheduled.items():
+            req = running[rid]
+            done = req.num_computed_tokens
+            if n == 1 and done > 0:
+                shape.add_decode(done + 1)
+            else:
+                shape.prefill_chunks.append((n, done))
+        return shape
+
+    def tokens_to_compute(self, request: Request) -> int:
+        """Tokens the request still has to compute, its prefix hit deducted."""
+        return request.num_tokens_to_compute - len(self.prefix_hit(request)) * self._block_size
+
+    def num_new_blocks(self, request: Request, cover: int) -> int:
+        """Free blocks the request takes to cover `cover` tokens (a prefix hit's blocks that
+        others hold cost nothing; those waiting in the cache's LRU leave the free pool)."""
+        return self.kv.num_new_blocks(request.request_id, cover, self.prefix_hit(request))
 
     def schedule(
         self,
@@ -90,6 +191,10 @@ class StepBuilder:
         to_compute = request.num_prompt_tokens + request.num_output_tokens - computed
         if num_tokens <= 0 or num_tokens > to_compute or rid in self.scheduled:
             raise ValueError(f"cannot schedule {num_tokens} tokens of {request!r} (already scheduled or too many)")
+        hit = self.prefix_hit(request) if self._caching else ()
+        if hit:
+            computed = len(hit) * self._block_size
+            num_tokens = min(num_tokens, to_compute - computed)
         budget = self.budget
         if budget.num_tokens + num_tokens > budget.max_tokens or budget.num_seqs >= budget.max_seqs:
             return False
@@ -101,12 +206,16 @@ class StepBuilder:
         else:
             target = max(self.tokens_to_cover(request, num_tokens), needed)
         table = self._tables.get(rid)
-        if (table is None or len(table) * self._block_size < target) and self.kv.allocate(rid, target, reserve) is None:
+        if (table is None or len(table) * self._block_size < target) and self.kv.allocate(
+            rid, target, reserve, hit
+        ) is None:
             self._sched.metrics.kv_alloc_failures += 1
             return False
         status = request.status
         if status is RequestStatus.WAITING or status is RequestStatus.PREEMPTED_RECOMPUTE:
-            self._sched._admit(request, self.now)
+            if self._caching:
+                self._count_hit(request, computed)
+            self._sched.admit(request, self.now)
         elif status is not RequestStatus.DECODING and status is not RequestStatus.PREFILLING:
             raise ValueError(f"{request!r} is not waiting or running; swap it in or resume it first")
         budget.num_tokens += num_tokens
@@ -114,13 +223,26 @@ class StepBuilder:
         self.scheduled[rid] = num_tokens
         return True
 
-    def schedule_covered(self, queue: deque[Request], *, chunk_to_budget: bool = False) -> Request | None:
+    def _count_hit(self, request: Request, hit_tokens: int) -> None:
+        request.num_computed_tokens = hit_tokens
+        request.num_cached_tokens = hit_tokens
+        self._sched.metrics.on_prefix_lookup(request.num_tokens, hit_tokens)
+        self._hits.pop(request.request_id, None)
+
+    def schedule_covered(
+        self,
+        queue: deque[Request],
+        *,
+        chunk_to_budget: bool = False,
+        prefill_limit: Callable[[Request], int] | None = None,
+    ) -> Request | None:
         """Pops running requests from the left of `queue` and schedules each for all the tokens
         it has to compute while its blocks already cover them and the budget has room; returns
         the first request that needs more (popped, nothing done to it: the caller schedules it
         with `schedule` and whatever preemption its policy does), or None once the queue is
         empty. `chunk_to_budget`: at most what is left of the token budget each (chunked
-        prefill); a request that would get no tokens is passed over.
+        prefill); a request that would get no tokens is passed over. `prefill_limit`: at most
+        this many tokens for a request still prefilling (a chunk priced in time).
 
         NOTE: the decode loop of every continuous-batching policy, once per running request
         per step; a request whose table covers its step (15 decodes in 16 with 16-token
@@ -134,6 +256,8 @@ class StepBuilder:
             n = req.num_prompt_tokens + req.num_output_tokens - req.num_computed_tokens
             if chunk_to_budget:
                 n = min(n, budget.max_tokens - budget.num_tokens)
+                if prefill_limit is not None and req.is_prefill:
+                    n = min(n, prefill_limit(req))
                 if n <= 0:
                     continue
             if not covered(req, n):
@@ -173,11 +297,11 @@ class StepBuilder:
     ) -> None:
         if request.request_id in self.scheduled:
             self.unschedule(request)
-        if mode is PreemptionMode.SWAP and request.request_id not in self._sched._known:
+        if mode is PreemptionMode.SWAP and not self._sched.plans.knows(request.request_id):
             mode = PreemptionMode.RECOMPUTE  # the worker never computed its KV: nothing to copy
         if mode is PreemptionMode.SWAP and not self._swap_out(request):
             mode = PreemptionMode.RECOMPUTE  # swap space full: recompute is the only way out
-        self._sched._preempt(request, mode, reason, self.now, to_front=to_front)
+        self._sched.preempt(request, mode, reason, self.now, to_front=to_front)
         self.num_preempted += 1
 
     def _swap_out(self, request: Request) -> bool:
@@ -186,7 +310,7 @@ class StepBuilder:
             return False
         if pairs:
             src, dst = zip(*pairs, strict=True)
-            int8 = bool(self._sched.policy.ctx.extras.get("int8_swap", False))
+            int8 = self._sched.policy.int8_swap
             self.kv_moves.append(KVMove(KVMoveKind.SWAP_OUT, request.request_id, src, dst, int8))
         return True
 
@@ -199,38 +323,38 @@ class StepBuilder:
             return False
         if pairs:
             src, dst = zip(*pairs, strict=True)
-            int8 = bool(self._sched.policy.ctx.extras.get("int8_swap", False))
+            int8 = self._sched.policy.int8_swap
             self.kv_moves.append(KVMove(KVMoveKind.SWAP_IN, request.request_id, src, dst, int8))
-        self._sched._resume(request, self.now, table_replaced=True)
+        self._sched.resume(request, self.now, table_replaced=True)
         return True
 
     def resume(self, request: Request) -> None:
         """Puts a kept (offload-free preempted) request back into the running set."""
         if request.status is not RequestStatus.PREEMPTED_KEPT:
             raise ValueError(f"{request!r} is not kept")
-        self._sched._resume(request, self.now, table_replaced=False)
+        self._sched.resume(request, self.now, table_replaced=False)
 
     def return_to_pool(self, request: Request) -> None:
         """Frees the request's KV and hands it back to the router (SCLS slices end this way);
         its generated tokens are kept and prefilled again wherever it runs next."""
         if request.request_id in self.scheduled:
             self.unschedule(request)
-        self._sched._return_to_pool(request, self.now)
+        self._sched.return_to_pool(request, self.now)
 
     def shrink_allocation(self, request: Request, num_tokens_kept: int) -> list[int]:
         freed = self.kv.free_tail(request.request_id, num_tokens_kept)
         if freed:
-            self._sched._table_replaced.add(request.request_id)
+            self._sched.plans.replace_table(request.request_id)
         return freed
 
     def lend_blocks(self, host: Request, guest: Request, num_blocks: int) -> list[int]:
         """Moves the tail of the host's allocation to the guest (EconoServe KV pipelining)."""
         moved = self.kv.transfer_tail(host.request_id, guest.request_id, num_blocks)
-        self._sched._table_replaced.add(host.request_id)
+        self._sched.plans.replace_table(host.request_id)
         return moved
 
     def finish(self, request: Request, status: RequestStatus, message: str = "") -> None:
         """Ends a request from inside a policy (e.g. a deadline that cannot be met)."""
         if request.request_id in self.scheduled:
             self.unschedule(request)
-        self._sched._finish(request, status, self.now, message)
+        self._sched.end(request, status, self.now, message)

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_service.costmodel.base import COST_MODELS, BatchShape, CostModel, HardwareSpec, ModelSpec
+from scheduler_service.costmodel.base import COST_MODELS, CostModel, HardwareSpec
+from sluice.contract.profile import BatchShape, ModelSpec
 
 
 @dataclass(frozen=True, slots=True)

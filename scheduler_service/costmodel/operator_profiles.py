@@ -1,6 +1,7 @@
 """Operator-profile cost model ("profile"): Vidur's measured GPU kernel times, looked up per batch.
 
-Data flow (construction, once): `data_dir()/profiles/vidur` CSVs -> per-operator medians ->
+Data flow (construction, once): `profiles/vidur/...` CSVs (found by `sluice.common.paths`, plain or
+gzipped) -> per-operator medians ->
 lookup tables in seconds for the whole model (layers x per-layer time). Per call
 (`iteration_time`): a handful of table reads, no numpy, a few microseconds.
 
@@ -51,9 +52,10 @@ from pathlib import Path
 import numpy as np
 
 from scheduler_service.costmodel.analytic import Efficiency, layer_weight_params, lm_head_roofline
-from scheduler_service.costmodel.base import COST_MODELS, BatchShape, CostModel, HardwareSpec, ModelSpec
+from scheduler_service.costmodel.base import COST_MODELS, CostModel, HardwareSpec
 from scheduler_service.costmodel.presets import get_hardware
-from sluice.common.paths import data_dir
+from sluice.common.paths import data_file, find_data_file, open_text
+from sluice.contract.profile import BatchShape, ModelSpec
 
 GPU_FOLDERS = {"a100-80g": "a100", "h100-80g": "h100"}
 NETWORK_NODES = {"a100-80g": "a100_dgx", "h100-80g": "h100_dgx"}
@@ -76,6 +78,7 @@ PROFILE_SOURCES: dict[str, tuple[str, ...]] = {
 }
 MAX_WEIGHT_RATIO = 2.0
 
+PROFILES_DIR = Path("profiles/vidur")  # in the data folders; files below are relative to it
 LEGACY_ATTENTION = Path("legacy/e2d00e9/a100/attention.csv")
 LEGACY_Q_WIDTH = 32 * 128  # query heads per GPU x head dim in the legacy file (64 heads, TP 2)
 LEGACY_KV_WIDTH = 4 * 128
@@ -109,7 +112,7 @@ class OpsProfile:
 @lru_cache(maxsize=32)
 def load_ops_profile(path: Path) -> OpsProfile:
     """Parse one mlp.csv: sum the median of every operator but the embedding, average repeats."""
-    with path.open(newline="") as f:
+    with open_text(path) as f:
         rows = list(csv.DictReader(f))
     ops = [k for k in rows[0] if k.startswith("time_stats.") and k.endswith(".median") and ".emb." not in k]
     sums: dict[int, dict[int, list[float]]] = {}
@@ -221,7 +224,7 @@ def _fit_ms(fit: np.ndarray, chunk: float, prefix: float) -> float:
 
 @lru_cache(maxsize=2)
 def load_attention_grid(path: Path) -> AttentionGrid:
-    with path.open(newline="") as f:
+    with open_text(path) as f:
         rows = list(csv.DictReader(f))
     decode = [r for r in rows if r["is_prefill"] != "True"]
     prefill = [r for r in rows if r["is_prefill"] == "True"]
@@ -236,7 +239,7 @@ def load_attention_grid(path: Path) -> AttentionGrid:
 @lru_cache(maxsize=16)
 def load_allreduce(path: Path, num_workers: int) -> tuple[np.ndarray, np.ndarray]:
     """(message bytes, median ms) of intra-node all-reduces over `num_workers` GPUs."""
-    with path.open(newline="") as f:
+    with open_text(path) as f:
         rows = [r for r in csv.DictReader(f) if int(r["num_workers"]) == int(r["devices_per_node"]) == num_workers]
     if not rows:
         raise ValueError(f"{path} has no all-reduce over {num_workers} GPUs of one node")
@@ -247,7 +250,17 @@ def load_allreduce(path: Path, num_workers: int) -> tuple[np.ndarray, np.ndarray
     return sizes, np.array([np.mean(per_size[int(s)]) for s in sizes])
 
 
-def resolve_source(model: ModelSpec, gpu: str, root: Path) -> tuple[Path, float]:
+def find_profile(relpath: Path, root: Path | None) -> Path | None:
+    """A profile file under `root` (Vidur's profiling layout) when given, else in the data folders."""
+    return find_data_file(relpath, [root]) if root is not None else find_data_file(PROFILES_DIR / relpath)
+
+
+def need_profile(relpath: Path, root: Path | None) -> Path:
+    """`find_profile`, or a one-line error saying where the file was looked for."""
+    return data_file(relpath, [root]) if root is not None else data_file(PROFILES_DIR / relpath)
+
+
+def resolve_source(model: ModelSpec, gpu: str, root: Path | None) -> tuple[Path, float]:
     """(mlp.csv to use, per-layer weight ratio target / source) for a preset model, or ValueError."""
     base = model.name.partition("@")[0]
     if base not in PROFILE_SOURCES:
@@ -256,8 +269,8 @@ def resolve_source(model: ModelSpec, gpu: str, root: Path) -> tuple[Path, float]
             " (use the analytic cost model for others)"
         )
     for folder in PROFILE_SOURCES[base]:
-        path = root / "compute" / gpu / folder / "mlp.csv"
-        if not path.is_file():
+        path = find_profile(Path("compute", gpu, folder, "mlp.csv"), root)
+        if path is None:
             continue
         source = load_ops_profile(path)
         if model.tensor_parallel not in source.by_tp:
@@ -281,7 +294,6 @@ class OperatorProfileCostModel(CostModel):
         super().__init__(model, hardware)
         if hardware.name not in GPU_FOLDERS:
             raise ValueError(f"no operator profiles for {hardware.name!r}; profiled: {', '.join(sorted(GPU_FOLDERS))}")
-        root = root or data_dir() / "profiles" / "vidur"
         gpu = GPU_FOLDERS[hardware.name]
         self.source, self.weight_ratio = resolve_source(model, gpu, root)
         self.overhead_s = (efficiency or Efficiency()).iteration_overhead_s
@@ -289,17 +301,17 @@ class OperatorProfileCostModel(CostModel):
         self._gqa = model.num_kv_heads < model.num_heads
         self._ops = self._ops_lookup()
         self._allreduce = self._allreduce_lookup(root) if model.tensor_parallel > 1 else None
-        self._init_attention(root / LEGACY_ATTENTION)
+        self._init_attention(need_profile(LEGACY_ATTENTION, root))
 
     def _ops_lookup(self) -> TokenLookup:
         tokens, ms = load_ops_profile(self.source).by_tp[self.model.tensor_parallel]
         seconds = ms * (MS * self.model.num_layers * self.weight_ratio)
         return TokenLookup(*token_table(tokens, seconds, TOKEN_STEP), TOKEN_STEP)
 
-    def _allreduce_lookup(self, root: Path) -> TokenLookup:
+    def _allreduce_lookup(self, root: Path | None) -> TokenLookup:
         m = self.model
         sizes, ms = load_allreduce(
-            root / "network" / NETWORK_NODES[self.hardware.name] / "all_reduce.csv", m.tensor_parallel
+            need_profile(Path("network", NETWORK_NODES[self.hardware.name], "all_reduce.csv"), root), m.tensor_parallel
         )
         tokens = sizes / (m.hidden_size * m.dtype_bytes)
         seconds = (ms + ALLREDUCE_LAUNCH_MS) * (2 * MS * m.num_layers)

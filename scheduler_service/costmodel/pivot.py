@@ -13,7 +13,8 @@ rather than the quadratic growth of one ever-longer prompt.
 
 from __future__ import annotations
 
-from scheduler_service.costmodel.base import BatchShape, CostModel
+from scheduler_service.costmodel.base import CostModel
+from sluice.contract.profile import BatchShape
 
 
 def probe_shape(num_tokens: int, seq_len: int = 512) -> BatchShape:

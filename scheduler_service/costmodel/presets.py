@@ -6,8 +6,11 @@ and a GPU (`"a100-80g"`); `get_model` / `get_hardware` return the frozen `ModelS
 
 Sources of the numbers:
 - models: the public Hugging Face `config.json` of each checkpoint (OPT: Zhang et al. 2022,
-  Table 1; Llama 2: Touvron et al. 2023, Table 1; Llama 3, Mistral 7B, Yi-34B, CodeLlama,
-  Qwen-72B: their model cards). Vocabulary sizes are the real tokenizer sizes.
+  Table 1; Llama 2: Touvron et al. 2023, Table 1; Llama 3 and 3.1, Mistral 7B, Yi-34B,
+  CodeLlama, Qwen-72B: their model cards). Vocabulary sizes are the real tokenizer sizes;
+  `max_model_len` is each checkpoint's own context (`max_position_embeddings`): 2,048 OPT,
+  4,096 Llama 2 and Yi-34B, 8,192 Llama 3, 16,384 CodeLlama, 32,768 Mistral 7B and Qwen-72B,
+  131,072 Llama 3.1.
 - GPUs: NVIDIA data sheets for dense (non-sparse) fp16/bf16 tensor-core FLOP/s, HBM/GDDR
   bandwidth and memory (`mem_bytes` is what `nvidia-smi` reports, e.g. 80 GiB on A100 80GB).
   `pcie_bandwidth` is the achievable host<->device copy rate in one direction from pinned
@@ -20,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from scheduler_service.costmodel.base import HardwareSpec, ModelSpec
+from scheduler_service.costmodel.base import HardwareSpec
+from sluice.contract.profile import ModelSpec
 
 GiB = 2**30
 GB = 1e9
@@ -44,6 +48,10 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
         ModelSpec("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
         ModelSpec("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+        # Llama 3.1: Llama 3's dimensions with RoPE scaling to a 131,072-token context.
+        ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072),
+        ModelSpec("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072),
+        ModelSpec("llama-3.1-405b", 126, 16384, 128, 8, 53248, 128256, 131072),
         ModelSpec("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 32768),
         ModelSpec("codellama-34b", 48, 8192, 64, 8, 22016, 32000, 16384),
         ModelSpec("yi-34b", 60, 7168, 56, 8, 20480, 64000, 4096),

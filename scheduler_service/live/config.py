@@ -1,27 +1,55 @@
-"""The live scheduler's one configuration dataclass (logged in full at start)."""
+"""The live scheduler's one configuration dataclass (logged in full at start). Its defaults for
+the serving limits are those of `sluice.contract.limits`, the same as the simulator's; the
+`sluice scheduler` and `sluice serve` flags and SLUICE_* variables are generated from it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sluice.common.config import opt
+from sluice.contract.limits import DEFAULT_MAX_NUM_SEQS
+
 
 @dataclass
 class LiveConfig:
-    policy: str = "vllm"  # name[:key=value,...] as registered in scheduler_service.policies
-    router: str = "round_robin"  # name[:key=value,...] as registered in scheduler_service.router
-    max_num_seqs: int = 64  # sequences per step and worker
-    max_num_batched_tokens: int = 512  # tokens per step and worker (a policy's budget may be smaller)
-    max_model_len: int | None = None  # None: the smallest the workers report
-    max_waiting: int = 256  # requests waiting for admission, all workers; beyond: RESOURCE_EXHAUSTED
-    default_max_tokens: int = 256  # when a request sets none (capped by the context left)
-    queue_timeout_s: float | None = None  # a request never admitted within this ends as timed out
-    retry_after_s: float = 0.5  # the RetryInfo delay given with RESOURCE_EXHAUSTED
-    step_timeout_s: float = 30.0  # a worker that takes longer for one step is treated as lost
-    connect_timeout_s: float = 60.0  # Info + Warmup of one worker
-    reconnect_min_s: float = 0.2  # first delay before dialling a lost worker again
-    reconnect_max_s: float = 5.0  # the delay doubles up to this
-    num_gpu_blocks: int | None = None  # KV blocks per worker; None: the worker measures (or its flag)
-    swap_space_gib: float = 0.0  # host swap per worker; 0: the worker's own default
-    gpu_memory_utilization: float = 0.0  # 0: the worker's own default
-    tokenizer: str | None = None  # tokenizer.json for text prompts; None: the model's (as the worker)
-    record_step_shapes: bool = False  # keep each step's BatchShape in the loop's step log (calibration)
+    policy: str = opt("vllm", "policy[:key=value,...] as registered in scheduler_service.policies")
+    router: str = opt("round_robin", "router[:key=value,...] as registered in scheduler_service.routers")
+    max_num_seqs: int = opt(DEFAULT_MAX_NUM_SEQS, "sequences per step and worker")
+    max_num_batched_tokens: int | None = opt(
+        None, "tokens per step and worker (a policy's budget may be smaller); none: max(8192, max_model_len)"
+    )
+    max_model_len: int | None = opt(None, "context length limit; none: the smallest the workers report")
+    max_waiting: int = opt(256, "requests waiting for admission, all workers; beyond it RESOURCE_EXHAUSTED")
+    default_max_tokens: int = opt(
+        256, "max_tokens of a request that sets none (capped by the context left; GetServerInfo advertises it)"
+    )
+    max_prompt_bytes: int | None = opt(
+        None, "largest text prompt in bytes, checked before tokenizing; none: 32 per token of max_model_len"
+    )
+    queue_timeout_s: float | None = opt(None, "a request not admitted within this many seconds ends as timed out")
+    predictor: str | None = opt(
+        None, "HOST:PORT of a length predictor service; none: the client's predicted length, else max_tokens"
+    )
+    predictor_timeout_ms: float = opt(
+        200.0, "an answer later than this is dropped; no request waits for it (scheduler_service/live/lengths.py)"
+    )
+    predictor_model: str | None = opt(None, "the served model's name as the predictor knows it; none: the workers'")
+    tbt_slo_s: float | None = opt(None, "the deployment's TBT SLO in seconds, for the policies that plan with one")
+    profile: str | None = opt(None, "a `sluice profile` JSON of the workers: the fitted cost model; none: analytic")
+    int8_swap: bool = opt(False, "int8-compress swapped KV (where the workers support it)")
+    prefix_caching: bool = opt(True, "automatic prefix caching: reuse the KV of full blocks a request shares")
+    retry_after_s: float = opt(0.5, "the RetryInfo delay given with RESOURCE_EXHAUSTED")
+    step_timeout_s: float = opt(30.0, "a worker that takes longer for one step is treated as lost")
+    connect_timeout_s: float = opt(60.0, "seconds for Info + Warmup of one worker")
+    probe_interval_s: float = opt(
+        5.0, "an idle worker is probed (Health, renewing its lease) this often; at most a quarter of its lease"
+    )
+    reconnect_min_s: float = opt(0.2, "first delay before dialling a lost worker again")
+    reconnect_max_s: float = opt(5.0, "the reconnect delay doubles up to this")
+    num_gpu_blocks: int | None = opt(None, "KV blocks per worker; none: the worker measures (or its own flag)")
+    swap_space_gib: float = opt(0.0, "host swap space per worker in GiB; 0: the worker's own default")
+    gpu_memory_utilization: float = opt(0.0, "share of accelerator memory a worker may use; 0: the worker's default")
+    tokenizer: str | None = opt(None, "tokenizer.json for text prompts; none: the model's (as the worker loads it)")
+    record_step_shapes: bool = opt(
+        False, "keep each step's BatchShape in the loop's step log (cost-model calibration)", flag=False
+    )

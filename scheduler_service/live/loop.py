@@ -1,12 +1,18 @@
 """WorkerLoop: the iteration loop of one worker, an asyncio task (the live twin of the
-simulator's `_start_step` / completion event pair).
+simulator's step start / completion event pair: the same Cluster calls).
 
-    wait until the scheduler has work (arrival, abort, re-routed request: `wake` is set)
-    now = monotonic(); plan = Scheduler.schedule(now)         schedule() wall time -> metrics
-    empty plan: answered locally, sleep until the next event or policy wake-up
+    wait until the worker has work (arrival, abort, re-routed request: `wake` is set);
+        while idle, probe the worker every probe interval (Health with the session: renews
+        its lease, notices a dead worker or a lost stream before a request needs it)
+    now = monotonic(); plan = Cluster.plan_step(worker, now)   schedule() wall time -> metrics
+    nothing to run: sleep until the next event or policy wake-up
     result = RemoteWorker.execute(plan)                        one step in flight
-    out = Scheduler.on_step_result(result, now)                tokens -> streams, finished -> clients
-    WorkerLost: Cluster.mark_down (requests recompute elsewhere), then reconnect with backoff
+    out = Cluster.complete_step(worker, result, now)           tokens -> streams, ended -> clients
+    WorkerLost (stream broken, probe failed, state diverged):
+        warm the worker up again at once with our session (Warmup wipes it): when that
+        works, the requests it held recompute on it (never counted as down);
+        when it does not, Cluster.mark_down (requests recompute elsewhere, or end UNAVAILABLE
+        when no worker is left), then reconnect with backoff
 
 Everything between two awaits is synchronous, so a client's abort or a stop string never
 interleaves with a half-applied step.
@@ -19,49 +25,84 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from scheduler_service.core.plan import StepPlan, StepResult
+from scheduler_service.cluster import Cluster
 from scheduler_service.core.request import Request
-from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.costmodel.base import BatchShape
-from scheduler_service.live.remote import RemoteWorker, WarmupOptions, WorkerCapacity, WorkerLost
+from scheduler_service.live.config import LiveConfig
+from scheduler_service.live.observe import LiveMetrics
+from scheduler_service.live.remote import RemoteWorker, WarmupOptions, WorkerCapacity, WorkerDiverged, WorkerLost
+from sluice.contract.plan import StepPlan
+from sluice.contract.profile import BatchShape
 
-if TYPE_CHECKING:
-    from scheduler_service.live.service import LiveScheduler
+
+class LoopHost(Protocol):
+    """What a WorkerLoop needs of the LiveScheduler that runs it.
+
+    NOTE: a Protocol rather than the LiveScheduler class, which creates the loops: the loop
+    module then does not import the service that imports it."""
+
+    cluster: Cluster
+    config: LiveConfig
+    clock: Callable[[], float]
+    closing: bool
+    metrics: LiveMetrics
+
+    async def deliver(self, tokens: Sequence[tuple[Request, int]], now: float) -> None: ...
+
+    def settle(self) -> None: ...
+
+    def worker_lost(self, worker_id: int, now: float) -> None: ...
+
+    def worker_back(self, worker_id: int) -> None: ...
+
+    def worker_reset(self, worker_id: int) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
+# Seconds a probe (and the at-once re-Warmup after a loss) may take before the worker counts as lost.
+PROBE_TIMEOUT_S = 5.0
+
 
 class WorkerLoop:
-    def __init__(
-        self, live: LiveScheduler, remote: RemoteWorker, capacity: WorkerCapacity, scheduler: Scheduler
-    ) -> None:
+    def __init__(self, live: LoopHost, remote: RemoteWorker, capacity: WorkerCapacity) -> None:
         self.live = live
         self.remote = remote
         self.capacity = capacity
-        self.scheduler = scheduler
-        self.worker_id = scheduler.worker_id
+        self.worker_id = remote.worker_id
         self.wake = asyncio.Event()
         self.connected = True
         self.num_steps = 0
+        self.num_resyncs = 0  # sessions re-established without the worker counting as down
         # (sequences, wall seconds of the whole step here, seconds the worker reported, the
         # step's BatchShape when `record_step_shapes`): what the simulator's CPU-overhead
         # model is calibrated from.
         self.step_log: deque[tuple[int, float, float, BatchShape | None]] = deque(maxlen=100_000)
         self.last_error = ""
         self._backoff_s = live.config.reconnect_min_s
+        self._diverged = False  # a divergence was healed and no step has succeeded since
+        self._last_contact = live.clock()
+
+    @property
+    def probe_interval_s(self) -> float:
+        """The configured interval, and at most a quarter of the worker's lease."""
+        ttl = self.capacity.lease_ttl_s
+        return min(self.live.config.probe_interval_s, ttl / 4) if ttl > 0 else self.live.config.probe_interval_s
 
     async def run(self) -> None:
         while not self.live.closing:
             if not self.connected:
                 await self._reconnect()
                 continue
-            await self._wait_for_work()
-            if self.live.closing:
-                return
             try:
+                await self._wait_for_work()
+                if self.live.closing:
+                    return
                 await self._step()
+            except WorkerDiverged as exc:
+                await self._diverge(exc)
             except WorkerLost as exc:
                 await self._lose(str(exc))
             except Exception as exc:
@@ -72,80 +113,124 @@ class WorkerLoop:
 
     # ------------------------------------------------------------------ stepping
     async def _wait_for_work(self) -> None:
-        while not self.scheduler.has_work and not self.live.closing:
+        while not self.live.cluster.has_work(self.worker_id) and not self.live.closing:
             self.wake.clear()
             await self._sleep()
+            if self.live.clock() - self._last_contact >= self.probe_interval_s and not self.live.closing:
+                await self.remote.probe(PROBE_TIMEOUT_S)
+                self._last_contact = self.live.clock()
 
     async def _sleep(self) -> None:
-        """Until `wake` is set or the policy's (or router's) next wake-up time."""
+        """Until `wake` is set, the policy's (or router's) next wake-up time, or the next probe."""
         now = self.live.clock()
-        times = [self.scheduler.policy.next_wakeup(now), self.live.cluster.router.next_release(now)]
-        due = [t - now for t in times if t is not None]
+        due = self.live.cluster.next_wakeup(now, (self.worker_id,))
+        probe = self._last_contact + self.probe_interval_s
+        due = probe if due is None else min(due, probe)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.wake.wait(), timeout=max(0.0, min(due)) if due else None)
+            await asyncio.wait_for(self.wake.wait(), timeout=max(0.0, due - now))
 
     async def _step(self) -> None:
-        live, sched = self.live, self.scheduler
+        live, cluster, w = self.live, self.live.cluster, self.worker_id
         started = time.perf_counter()
         now = live.clock()
-        live.cluster.release_held(now)
-        start = time.perf_counter()
-        plan = sched.schedule(now)
-        live.metrics.on_schedule_overhead(time.perf_counter() - start)
-        live.settle(self.worker_id, sched.pop_finished(), now)
-        if plan.is_empty:
-            # NOTE: nothing can run (e.g. a policy holds requests back); the core still
-            # expects an answer, and the loop sleeps until something changes.
-            sched.on_step_result(StepResult(plan.step_id, {}, 0.0), now)
+        cluster.release_held(now)
+        plan = cluster.plan_step(w, now)
+        live.settle()
+        if plan is None:
+            # NOTE: nothing can run (e.g. a policy holds requests back): sleep until something changes.
             self.wake.clear()
             await self._sleep()
             return
-        running = sched.running
+        running = cluster.schedulers[w].running
         for rid in plan.num_scheduled_tokens:
             live.metrics.on_scheduled(running[rid])
         shape = step_shape(plan, running) if live.config.record_step_shapes else None
         result = await self.remote.execute(plan)
         now = live.clock()
-        out = sched.on_step_result(result, now)
+        self._last_contact = now
+        self._diverged = False
+        out = cluster.complete_step(w, result, now)
         self.num_steps += 1
-        live.deliver(out.tokens, now)
-        live.settle(self.worker_id, out.finished + sched.pop_finished(), now)
+        await live.deliver(out.tokens, now)
+        live.settle()
         self.step_log.append((len(plan.num_scheduled_tokens), time.perf_counter() - started, result.total_s, shape))
 
     # ------------------------------------------------------------------ failures
+    async def _diverge(self, exc: WorkerDiverged) -> None:
+        """The worker refused a step because it holds state our plans do not know of (e.g. a
+        foreign client's blocks). Warming it up again wipes that state; if it happens again
+        before any step succeeds, our own plans are at fault, and the core's rule applies
+        (the request the worker named ends with an error, the others recompute)."""
+        if self._diverged:
+            log.error("worker %d diverged again right after a resync: %s", self.worker_id, exc)
+            self.live.cluster.complete_step(self.worker_id, exc.result, self.live.clock())
+            self.live.settle()
+            return
+        self._diverged = True
+        await self._lose(str(exc))
+
     async def _lose(self, why: str) -> None:
-        log.warning("worker %d lost: %s", self.worker_id, why)
-        self.connected = False
+        log.warning("worker %d: %s; warming it up again", self.worker_id, why)
         self.last_error = why
         await self.remote.close()
+        if await self._resume():
+            self.num_resyncs += 1
+            log.info("worker %d at %s: new session; its requests recompute on it", self.worker_id, self.remote.address)
+            self.live.worker_reset(self.worker_id)
+            return
+        self._diverged = False
+        self.connected = False
         self.live.worker_lost(self.worker_id, self.live.clock())
+
+    def _warmup_options(self) -> WarmupOptions:
+        cfg = self.live.config
+        return WarmupOptions(
+            num_gpu_blocks=self.capacity.num_gpu_blocks,  # the KVCacheManager's size is fixed for the session
+            swap_space_gib=cfg.swap_space_gib,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or 0,
+            max_num_seqs=cfg.max_num_seqs,
+        )
+
+    async def _resume(self) -> bool:
+        """One quick attempt at a new session; False when the worker cannot be had now."""
+        try:
+            back = await self.remote.connect(self._warmup_options(), PROBE_TIMEOUT_S, wait=False)
+        except WorkerLost as exc:
+            self.last_error = str(exc)
+            return False
+        if not self._same_shape(back):
+            await self.remote.close()
+            return False
+        self._last_contact = self.live.clock()
+        return True
+
+    def _same_shape(self, back: WorkerCapacity) -> bool:
+        cap = self.capacity
+        if (back.model, back.block_size, back.num_cpu_blocks) == (cap.model, cap.block_size, cap.num_cpu_blocks):
+            return True
+        self.last_error = f"worker came back with a different model or KV shape: {back}"
+        log.error("worker %d: %s", self.worker_id, self.last_error)
+        return False
 
     async def _reconnect(self) -> None:
         await asyncio.sleep(self._backoff_s)
         cfg = self.live.config
-        cap = self.capacity
-        options = WarmupOptions(
-            num_gpu_blocks=cap.num_gpu_blocks,  # the KVCacheManager's size is fixed for the session
-            swap_space_gib=cfg.swap_space_gib,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs,
-        )
         try:
-            back = await self.remote.connect(options, min(cfg.connect_timeout_s, 5.0), wait=False)
+            back = await self.remote.connect(self._warmup_options(), min(cfg.connect_timeout_s, 5.0), wait=False)
         except WorkerLost as exc:
             self.last_error = str(exc)
             self._backoff_s = min(2 * self._backoff_s, cfg.reconnect_max_s)
             return
-        if (back.model, back.block_size, back.num_cpu_blocks) != (cap.model, cap.block_size, cap.num_cpu_blocks):
-            self.last_error = f"worker came back with a different model or KV shape: {back}"
-            log.error("worker %d: %s", self.worker_id, self.last_error)
+        if not self._same_shape(back):
             await self.remote.close()
             self._backoff_s = cfg.reconnect_max_s
             return
-        log.info("worker %d at %s is back", self.worker_id, self.remote.address)
+        log.warning("worker %d at %s is back", self.worker_id, self.remote.address)
         self.connected = True
         self.last_error = ""
         self._backoff_s = cfg.reconnect_min_s
+        self._last_contact = self.live.clock()
+        self.live.metrics.on_reconnect(self.worker_id)
         self.live.worker_back(self.worker_id)
 
 

@@ -13,12 +13,14 @@ a RequestTrace is a non-recording span (a few hundred ns), and `serving` may be 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason, RejectReason
 from scheduler_service.core.request import Request, RequestStatus
 from sluice.common.telemetry import RequestTrace
+from sluice.contract.lengths import LengthPrediction
 
 if TYPE_CHECKING:
     from sluice.common.prom import ServingMetrics
@@ -33,9 +35,35 @@ class LiveMetrics(MetricsRecorder):
         self.policy = policy
         self.serving = serving
         self.traces: dict[str, RequestTrace] = {}
+        self.length_predictions: dict[str, LengthPrediction] = {}  # the predictor's answers, by request
+
+    def initialise_series(self, workers: Sequence[str]) -> None:
+        """Every labelled Prometheus series at zero from the start (modes, reasons, workers)."""
+        if self.serving is None:
+            return
+        self.serving.initialise(
+            preemptions=[(m, r) for m in PreemptionMode for r in PreemptionReason],
+            rejections=list(RejectReason),
+            workers=workers,
+        )
+        for worker in workers:
+            self.serving.set_worker_up(worker, True)
+
+    def on_stream_end(self, request: Request) -> None:
+        """An accepted request ended (its stream gets its last message or status)."""
+        if self.serving is not None:
+            self.serving.inc_finished(request.status.finish_reason or "error")
+
+    def on_worker(self, worker_id: int, *, up: bool) -> None:
+        if self.serving is not None:
+            self.serving.set_worker_up(str(worker_id), up)
+
+    def on_reconnect(self, worker_id: int) -> None:
+        if self.serving is not None:
+            self.serving.inc_reconnect(str(worker_id))
 
     # ------------------------------------------------------------------ request spans
-    def start_trace(self, request: Request) -> RequestTrace:
+    def start_trace(self, request: Request, labels: Mapping[str, str] | None = None) -> RequestTrace:
         sp = request.sampling
         slo = request.slo
         attrs: dict[str, Any] = {
@@ -57,6 +85,8 @@ class LiveMetrics(MetricsRecorder):
                 attrs[f"sluice.slo.{name}"] = getattr(slo, name)
         if request.predicted_output_tokens is not None:
             attrs["sluice.predicted_output_tokens"] = request.predicted_output_tokens
+        for key, value in (labels or {}).items():
+            attrs[f"sluice.label.{key}"] = value
         trace = RequestTrace(request.request_id, attrs)
         trace.phase("queue")
         self.traces[request.request_id] = trace
@@ -113,7 +143,30 @@ class LiveMetrics(MetricsRecorder):
             serving.observe_tpot((times[-1] - times[0]) / (len(times) - 1))
         serving.inc_tokens(request.num_prompt_tokens, len(times))
 
+    # ------------------------------------------------------------------ length predictions
+    def on_length_prediction(self, request: Request, prediction: LengthPrediction) -> None:
+        """The predictor answered for a live request (after it was admitted)."""
+        self.length_predictions[request.request_id] = prediction
+        trace = self.traces.get(request.request_id)
+        if trace is not None:
+            attrs = {"tokens": prediction.tokens, "source": prediction.source, "latency_s": prediction.latency_s}
+            trace.event("length_prediction", attrs)
+
+    def _length_attributes(self, request: Request) -> dict[str, Any]:
+        prediction = self.length_predictions.pop(request.request_id, None)
+        if prediction is None:
+            return {"sluice.length_source": request.length_source}
+        error = prediction.tokens - request.num_output_tokens
+        if self.serving is not None and request.status in _COMPLETED:
+            self.serving.observe_length_error(abs(error))
+        return {
+            "sluice.length_source": request.length_source,
+            "sluice.length.predicted_tokens": prediction.tokens,
+            "sluice.length.error_tokens": error,
+        }
+
     def _end_trace(self, request: Request, error: str | None) -> None:
+        length = self._length_attributes(request)
         trace = self.traces.pop(request.request_id, None)
         if trace is None:
             return
@@ -123,6 +176,7 @@ class LiveMetrics(MetricsRecorder):
                 "finish_reasons": [request.status.finish_reason or "unknown"],
                 "sluice.preemptions": request.num_preemptions,
                 "sluice.queue_time_s": request.queue_time,
+                **length,
             },
             error=error,
         )

@@ -1,25 +1,37 @@
 """RemoteWorker: the live executor, one worker over gRPC (the simulator's is SimulatedExecutor).
 
-    connect():      Info (model, limits, EOS) -> Warmup (KV capacity in blocks) -> Health
-                    -> open the Execute stream
+    connect():      Info (model, limits, EOS) -> Warmup (KV capacity in blocks; the worker's
+                    lease: a session id) -> Health -> open the Execute stream with the session
     execute(plan):  PlanSender.encode -> stream.write -> stream.read (step timeout) -> PlanSender.decode
+    probe():        Health with the session (renews the lease; says whether we still hold it)
     close():        cancel the stream, close the channel
 
 One step is in flight per stream, answered in order. A transport error, a closed stream, a
 step timeout, an undecodable answer or an engine that reports itself unusable raises
-`WorkerLost`; the live loop then marks the worker down and dials it again later with a new
-session (Warmup wipes whatever the worker held, so both sides start from empty).
+`WorkerLost`; a step the worker refuses because its state diverged from ours (ABORTED: e.g. a
+foreign client's blocks) raises `WorkerDiverged`. The live loop then warms the worker up
+again at once with the session it holds (Warmup wipes whatever the worker held, so both sides
+start from empty), and only when that fails marks the worker down.
+
+Every call carries the scheduler's credentials (ClientSecurity: TLS, mutual when configured,
+and the workers' API key) and, after Warmup, the `x-sluice-session` metadata.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 import grpc
 
-from scheduler_service.core.plan import StepPlan, StepResult
-from scheduler_service.plan_codec import CHANNEL_OPTIONS, PlanSender
+from scheduler_service.costmodel.base import HardwareSpec
+from scheduler_service.costmodel.presets import HARDWARE_PRESETS
+from sluice.common.grpc_server import CHANNEL_OPTIONS
+from sluice.common.security import PLAINTEXT, ClientSecurity
+from sluice.contract.plan import StepPlan, StepResult
+from sluice.contract.plan_codec import PlanSender
+from sluice.contract.profile import ModelSpec
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 
 # Step errors after which the worker's engine cannot go on (the worker's server answers
@@ -27,8 +39,24 @@ from sluice.v1 import worker_pb2, worker_pb2_grpc
 FATAL_STEP_CODES = frozenset({"UNAVAILABLE", "INTERNAL", "FAILED_PRECONDITION"})
 
 
+SESSION_KEY = "x-sluice-session"  # the worker's lease (worker_service/lease.py)
+
+
 class WorkerLost(Exception):
-    """The worker cannot execute steps on this session any more."""
+    """The worker cannot execute steps on this session any more; `code` is the gRPC status
+    name when the worker answered one (FAILED_PRECONDITION: leased to another scheduler)."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class WorkerDiverged(WorkerLost):
+    """The worker refused a step because it holds state our plans do not account for."""
+
+    def __init__(self, message: str, result: StepResult) -> None:
+        super().__init__(message, "ABORTED")
+        self.result = result
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +71,10 @@ class WorkerCapacity:
     num_gpu_blocks: int
     num_cpu_blocks: int
     role: str
+    model_spec: ModelSpec  # the model's dimensions, for the cost model
+    hardware: HardwareSpec  # the worker's device (a preset it recognised, else what it measured)
+    int8_swap: bool = False  # the worker can int8-compress swapped KV
+    lease_ttl_s: float = 0.0  # the worker's lease lapses this long after our last call (0: no lease)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,44 +99,68 @@ _ROLES = {worker_pb2.WORKER_ROLE_PREFILL: "prefill", worker_pb2.WORKER_ROLE_DECO
 
 
 class RemoteWorker:
-    def __init__(self, worker_id: int, address: str, step_timeout_s: float) -> None:
+    def __init__(
+        self,
+        worker_id: int,
+        address: str,
+        step_timeout_s: float,
+        *,
+        security: ClientSecurity = PLAINTEXT,
+        channel_options: tuple[tuple[str, int], ...] = CHANNEL_OPTIONS,
+    ) -> None:
         self.worker_id = worker_id
         self.address = address
         self.step_timeout_s = step_timeout_s
+        self.security = security
+        self.channel_options = channel_options
+        self.session: str | None = None  # the lease's session id, once Warmup granted one
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
         self._sender = PlanSender()
 
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        session = ((SESSION_KEY, self.session),) if self.session else ()
+        return (*self.security.metadata, *session)
+
     async def connect(self, options: WarmupOptions, timeout_s: float, *, wait: bool = True) -> WorkerCapacity:
-        """Dials the worker, warms it up (its KV cache is rebuilt empty) and opens the step stream.
+        """Dials the worker, warms it up (its KV cache is rebuilt empty; the lease is ours, or
+        renewed with a new session when we held it) and opens the step stream.
 
         `wait`: wait up to timeout_s for the worker to come up (start-up); a reconnect
         attempt instead fails fast and the loop's own backoff decides when to try again."""
         await self.close()
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._channel = self.security.channel(self.address, self.channel_options)
         stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         try:
-            info = await stub.Info(worker_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=wait)
-            warm = await stub.Warmup(options.to_proto(), timeout=timeout_s)
-            health = await stub.Health(worker_pb2.HealthRequest(), timeout=timeout_s)
+            info = await stub.Info(
+                worker_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=wait, metadata=self.security.metadata
+            )
+            warm = await stub.Warmup(options.to_proto(), timeout=timeout_s, metadata=self.metadata)
+            self.session = warm.session_id or None
+            health = await stub.Health(worker_pb2.HealthRequest(), timeout=timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             await self.close()
-            raise WorkerLost(f"worker {self.address}: {exc.code().name}: {exc.details()}") from exc
+            raise WorkerLost(f"worker {self.address}: {exc.code().name}: {exc.details()}", exc.code().name) from exc
         if not health.serving:
             await self.close()
             raise WorkerLost(f"worker {self.address} is not serving after warmup: {health.message}")
-        self._call = stub.Execute()
+        self._call = stub.Execute(metadata=self.metadata)
         self._sender = PlanSender()
-        return WorkerCapacity(
-            model=info.model,
-            max_model_len=info.max_model_len,
-            vocab_size=info.vocab_size,
-            eos_token_ids=tuple(info.eos_token_ids),
-            block_size=warm.block_size,
-            num_gpu_blocks=warm.num_gpu_blocks,
-            num_cpu_blocks=warm.num_cpu_blocks,
-            role=_ROLES.get(info.capabilities.role, "mixed"),
-        )
+        return capacity_from_proto(info, warm)
+
+    async def connect_patiently(self, options: WarmupOptions, timeout_s: float) -> WorkerCapacity:
+        """`connect`, retried while the worker is leased to another scheduler (e.g. our own
+        previous incarnation, whose lease lapses unrenewed), up to timeout_s in all."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            try:
+                return await self.connect(options, max(0.1, deadline - loop.time()))
+            except WorkerLost as exc:
+                if exc.code != "FAILED_PRECONDITION" or loop.time() + 1.0 > deadline:
+                    raise
+            await asyncio.sleep(1.0)
 
     async def execute(self, plan: StepPlan) -> StepResult:
         if self._call is None:
@@ -120,15 +176,55 @@ class RemoteWorker:
         except (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError) as exc:
             raise WorkerLost(f"worker {self.address}: step stream failed: {_describe(exc)}") from exc
         if response is grpc.aio.EOF:
-            raise WorkerLost(f"worker {self.address} closed the step stream")
+            raise WorkerLost(f"worker {self.address} closed the step stream: {await self._ending()}")
         try:
             result = self._sender.decode(response, plan)
         except ValueError as exc:
             why = f"answered step {plan.step_id} with a malformed result: {exc}"
             raise WorkerLost(f"worker {self.address} {why}") from exc
-        if result.error is not None and result.error.code in FATAL_STEP_CODES:
-            raise WorkerLost(f"worker {self.address}: {result.error.code}: {result.error.message}")
+        if result.error is not None:
+            if result.error.code == "ABORTED":
+                raise WorkerDiverged(f"worker {self.address}: state diverged: {result.error.message}", result)
+            if result.error.code in FATAL_STEP_CODES:
+                raise WorkerLost(f"worker {self.address}: {result.error.code}: {result.error.message}")
         return result
+
+    async def _ending(self) -> str:
+        call = self._call
+        if call is None:
+            return "no stream"
+        try:
+            return f"{(await call.code()).name}: {await call.details()}"
+        except (grpc.RpcError, grpc.aio.BaseError, asyncio.CancelledError):
+            return "unknown status"
+
+    async def probe(self, timeout_s: float) -> None:
+        """Health with the session: renews the lease. WorkerLost when the worker does not
+        answer, stopped serving, our lease is gone (the worker restarted, or another
+        scheduler took it) or our step stream has ended."""
+        if self._channel is None or self._call is None:
+            raise WorkerLost(f"worker {self.address} is not connected")
+        if self._call.done():
+            raise WorkerLost(f"worker {self.address}: the step stream ended: {await self._ending()}")
+        stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        try:
+            health = await stub.Health(worker_pb2.HealthRequest(), timeout=timeout_s, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerLost(f"worker {self.address}: probe failed: {exc.code().name}: {exc.details()}") from exc
+        if not health.serving:
+            raise WorkerLost(f"worker {self.address} stopped serving: {health.message}")
+        if self.session and not health.lease_holder:
+            raise WorkerLost(f"worker {self.address}: our lease is gone (the worker restarted or was taken over)")
+
+    async def end_lease(self, timeout_s: float = 1.0) -> None:
+        """Gives the worker's lease up (at shutdown), so another scheduler need not wait for it
+        to lapse; a worker that does not answer keeps it until then."""
+        if self._channel is None or not self.session:
+            return
+        stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await stub.Release(worker_pb2.ReleaseRequest(end_lease=True), timeout=timeout_s, metadata=self.metadata)
+        self.session = None
 
     async def close(self) -> None:
         call, self._call = self._call, None
@@ -137,6 +233,47 @@ class RemoteWorker:
             call.cancel()
         if channel is not None:
             await channel.close(grace=None)
+
+
+def capacity_from_proto(info: worker_pb2.InfoResponse, warm: worker_pb2.WarmupResponse) -> WorkerCapacity:
+    return WorkerCapacity(
+        model=info.model,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=tuple(info.eos_token_ids),
+        block_size=warm.block_size,
+        num_gpu_blocks=warm.num_gpu_blocks,
+        num_cpu_blocks=warm.num_cpu_blocks,
+        role=_ROLES.get(info.capabilities.role, "mixed"),
+        model_spec=model_spec_from_proto(info),
+        hardware=hardware_from_proto(info.hardware),
+        int8_swap=info.capabilities.int8_swap,
+        lease_ttl_s=warm.lease_ttl_s,
+    )
+
+
+def model_spec_from_proto(info: worker_pb2.InfoResponse) -> ModelSpec:
+    dims = info.model_dimensions
+    return ModelSpec(
+        name=info.model,
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        num_heads=dims.num_heads,
+        num_kv_heads=dims.num_kv_heads,
+        intermediate_size=dims.intermediate_size,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        gated_mlp=dims.gated_mlp,
+        dtype_bytes=dims.dtype_bytes or 2,
+    )
+
+
+def hardware_from_proto(hw: worker_pb2.HardwareDescription) -> HardwareSpec:
+    """The preset the worker recognised, else the figures it measured on its device."""
+    if hw.preset in HARDWARE_PRESETS:
+        return HARDWARE_PRESETS[hw.preset]
+    name = hw.name or "unknown device"
+    return HardwareSpec(name, hw.peak_flops, hw.memory_bandwidth, hw.memory_bytes, hw.host_link_bandwidth)
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,16 +1,21 @@
 """LiveScheduler: the simulator's Cluster over real workers, fed by clients.
 
-    start():   RemoteWorker.connect per worker (Info, Warmup) -> one KVCacheManager, Scheduler
-               and policy per worker, one Router, one Cluster (the simulator's _build_cluster)
-               -> one WorkerLoop task per worker
-    submit():  intake.build_request -> duplicate id / healthy worker / queue bound
-               -> RequestStream registered -> Cluster.submit -> wake the loops
-    loops:     deliver(tokens): streams get ids and text; a stop string -> Scheduler.finish
-               settle(finished): Cluster.after_step (router books, re-routing) -> final messages
-    abort():   Scheduler.abort (blocks free now, the worker is told next step) -> final message
-    failures:  worker_lost -> Cluster.mark_down (recompute on the others); worker_back -> mark_up
+    start():   RemoteWorker.connect per worker (Info, Warmup) -> cluster_spec (KV sizes from
+               Warmup, the cost model from the workers' model and hardware or a profile)
+               -> build_cluster, the simulator's builder -> one WorkerLoop task per worker
+    submit():  intake.check_request (sizes, ranges) -> healthy worker / queue bound -> a text
+               prompt tokenized on a thread (the GIL released) -> intake.build_request ->
+               duplicate id / healthy worker / queue bound again -> RequestStream registered
+               (with its owner: the caller's identity) -> Cluster.submit -> settle
+    loops:     deliver(tokens): the step's text decoded in one batch on a thread; streams get
+               ids and text; a stop string -> Cluster.finish
+    settle():  Cluster.pop_ended -> final messages; loops with work are woken
+    abort():   the owner only; Cluster.abort (blocks free now, the worker is told next step) -> settle
+    failures:  worker_lost -> Cluster.mark_down (recompute on the others, or end UNAVAILABLE
+               when none is left); worker_back -> mark_up
 
-One event loop owns all of this; nothing here blocks.
+One event loop owns all of this; nothing here blocks: tokenizing and detokenizing run on
+threads with the GIL released (sluice.common.tokenizer).
 """
 
 from __future__ import annotations
@@ -19,24 +24,26 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
-from kvstore.accounting import KVAccounting
-from scheduler_service import policies  # noqa: F401  (registers the policies)
-from scheduler_service.core.cluster import Cluster
-from scheduler_service.core.policy import PolicyContext, build_policy
+from scheduler_service.cluster import ClusterSpec, WorkerSpec, build_cluster
+from scheduler_service.cluster.lengths import GivenLengths
 from scheduler_service.core.preemption import RejectReason
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.sampling import InvalidRequestError
-from scheduler_service.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_service.costmodel.factory import build_worker_cost_model
 from scheduler_service.live.config import LiveConfig
-from scheduler_service.live.intake import Limits, build_request
+from scheduler_service.live.intake import Limits, build_request, check_id, check_request, slo_of
+from scheduler_service.live.lengths import PredictorLink
 from scheduler_service.live.loop import WorkerLoop
 from scheduler_service.live.observe import LiveMetrics
 from scheduler_service.live.remote import RemoteWorker, WarmupOptions, WorkerCapacity, WorkerLost
 from scheduler_service.live.stream import RequestStream
-from scheduler_service.router import RouterContext, build_router
+from sluice.common.grpc_server import KEEPALIVE, Keepalive
+from sluice.common.predictor_client import PredictorClient
 from sluice.common.prom import ServingMetrics
+from sluice.common.security import ANONYMOUS, PLAINTEXT, ClientSecurity
+from sluice.contract.sampling import InvalidRequestError
 from sluice.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
@@ -50,11 +57,20 @@ class Rejected(Exception):
         self.reason = reason
 
 
+class NotOwner(Exception):
+    """Abort of a request another caller made (PERMISSION_DENIED)."""
+
+
+# Steps with at most this many tokens are detokenized on the event loop: about 50 us per
+# token with the demo tokenizer, less than the ~85 us of a hop to a thread and back.
+INLINE_DETOKENIZE_TOKENS = 2
+
+
 def load_tokenizer(model: str, path: str | None) -> object | None:
-    """The worker's own tokenizer file (worker_service.tokenizer is torch-free), or None when
+    """The worker's own tokenizer file (sluice.common.tokenizer is torch-free), or None when
     the `tokenizers` package or the file is missing: then only token-id prompts are served."""
     try:
-        from worker_service.tokenizer import Tokenizer
+        from sluice.common.tokenizer import Tokenizer
     except ImportError as exc:
         log.warning("no tokenizer (%s): text prompts will be refused", exc)
         return None
@@ -65,6 +81,45 @@ def load_tokenizer(model: str, path: str | None) -> object | None:
         return None
 
 
+def served_context_len(cfg: LiveConfig, caps: Sequence[WorkerCapacity]) -> int:
+    """One rule for the longest sequence served: the smallest the workers report, the
+    configured max_model_len, and (as vLLM rules) a configured max_num_batched_tokens smaller
+    than those, since a policy that does not chunk prefills must fit a whole prompt in a step."""
+    length = min([c.max_model_len for c in caps] + [cfg.max_model_len or caps[0].max_model_len])
+    if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens < length:
+        log.warning(
+            "max_num_batched_tokens (%d) is smaller than the context length (%d): prompt + output is "
+            "limited to %d tokens (raise max_num_batched_tokens, or give a chunking policy its own budget)",
+            cfg.max_num_batched_tokens,
+            length,
+            cfg.max_num_batched_tokens,
+        )
+        length = cfg.max_num_batched_tokens
+    return length
+
+
+def cluster_spec(cfg: LiveConfig, caps: Sequence[WorkerCapacity], max_model_len: int) -> ClusterSpec:
+    """The cluster the workers' Info and Warmup answers describe, under this configuration:
+    the cost model is fitted from `cfg.profile` when given, else the analytic roofline of the
+    model and hardware the first worker described (all workers serve the same model)."""
+    first = caps[0]
+    return ClusterSpec(
+        policy=cfg.policy,
+        workers=tuple(WorkerSpec(c.num_gpu_blocks, c.num_cpu_blocks, c.block_size, c.role) for c in caps),
+        cost_model=build_worker_cost_model(first.model_spec, first.hardware, cfg.profile),
+        max_model_len=max_model_len,
+        router=cfg.router,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_waiting=cfg.max_waiting,
+        queue_timeout_s=cfg.queue_timeout_s,
+        tbt_slo_s=cfg.tbt_slo_s,
+        int8_swap=cfg.int8_swap and all(c.int8_swap for c in caps),
+        length_source=GivenLengths(),
+        prefix_caching=cfg.prefix_caching,
+    )
+
+
 class LiveScheduler:
     def __init__(
         self,
@@ -72,13 +127,20 @@ class LiveScheduler:
         config: LiveConfig | None = None,
         serving: ServingMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        security: ClientSecurity = PLAINTEXT,
+        keepalive: Keepalive = KEEPALIVE,
     ) -> None:
+        """`security`: how the workers are dialled (TLS files, their API key); `keepalive`:
+        the channel settings of the worker connections (tests shorten them)."""
         if not addresses:
             raise ValueError("the scheduler needs at least one worker address")
         self.addresses = list(addresses)
         self.config = config or LiveConfig()
         self.serving = serving
         self.clock = clock
+        self.security = security
+        self.keepalive = keepalive
         self.streams: dict[str, RequestStream] = {}
         self.loops: dict[int, WorkerLoop] = {}
         self.on_health: Callable[[bool], None] | None = None
@@ -86,43 +148,84 @@ class LiveScheduler:
         self.closing = False
         self.started_at = 0.0
         self.num_tokens_out = 0
+        self.num_tokenizing = 0  # text prompts on the tokenizer thread: they count as waiting
+        self.predictor: PredictorLink | None = None
+        # NOTE: two pools: a long prompt being encoded never delays a step's detokenizing.
+        self._encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-encode")
+        self._decode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-decode")
+        self._decode_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         cfg = self.config
-        remotes = [RemoteWorker(w, addr, cfg.step_timeout_s) for w, addr in enumerate(self.addresses)]
-        options = WarmupOptions(
+        options = self.keepalive.channel_options()
+        remotes = [
+            RemoteWorker(w, addr, cfg.step_timeout_s, security=self.security, channel_options=options)
+            for w, addr in enumerate(self.addresses)
+        ]
+        warmup = WarmupOptions(
             cfg.num_gpu_blocks,
             cfg.swap_space_gib,
             cfg.gpu_memory_utilization,
-            cfg.max_num_batched_tokens,
+            cfg.max_num_batched_tokens or 0,
             cfg.max_num_seqs,
         )
         try:
-            caps = await asyncio.gather(*(r.connect(options, cfg.connect_timeout_s) for r in remotes))
+            caps = await asyncio.gather(*(r.connect_patiently(warmup, cfg.connect_timeout_s) for r in remotes))
         except WorkerLost:
             await asyncio.gather(*(r.close() for r in remotes))
             raise
         self._check_alike(caps)
-        first = caps[0]
+        self._build(caps)
+        for remote, cap in zip(remotes, caps, strict=True):
+            self.loops[remote.worker_id] = WorkerLoop(self, remote, cap)
+        self.started_at = self.clock()
+        self._tasks = [asyncio.create_task(loop.run(), name=f"sluice-worker-{w}") for w, loop in self.loops.items()]
+        log.info(
+            "live scheduler config: %s; cost model %s on %s; workers: %s",
+            asdict(cfg),
+            self.spec.cost_model.name,
+            self.spec.cost_model.hardware.name,
+            [(c.model, c.num_gpu_blocks, c.num_cpu_blocks, c.hardware.name) for c in caps],
+        )
+
+    def _build(self, caps: Sequence[WorkerCapacity]) -> None:
+        cfg, first = self.config, caps[0]
         self.model = first.model
         self.block_size = first.block_size
-        self.max_model_len = min([c.max_model_len for c in caps] + [cfg.max_model_len or first.max_model_len])
+        self.max_model_len = served_context_len(cfg, caps)
         self.metrics = LiveMetrics(self.model, cfg.policy, self.serving)
-        self.cluster = self._build_cluster(caps)
+        self.metrics.initialise_series([str(w) for w in range(len(caps))])
+        self.spec = cluster_spec(cfg, caps, self.max_model_len)
+        self.cluster = build_cluster(self.spec, self.metrics, timer=time.perf_counter)
         self.limits = Limits(
             max_model_len=self.max_model_len,
             max_kv_tokens=min(c.num_gpu_blocks for c in caps) * self.block_size,
             vocab_size=first.vocab_size,
             default_max_tokens=cfg.default_max_tokens,
             eos_token_ids=frozenset(first.eos_token_ids),
+            max_prompt_bytes=cfg.max_prompt_bytes or 0,
         )
         self.tokenizer = load_tokenizer(self.model, cfg.tokenizer)
-        for remote, cap in zip(remotes, caps, strict=True):
-            self.loops[remote.worker_id] = WorkerLoop(self, remote, cap, self.cluster.schedulers[remote.worker_id])
-        self.started_at = self.clock()
-        self._tasks = [asyncio.create_task(loop.run(), name=f"sluice-worker-{w}") for w, loop in self.loops.items()]
-        log.info("live scheduler config: %s; workers: %s", asdict(cfg), [asdict(c) for c in caps])
+        self.predictor = self._predictor_link() if cfg.predictor else None
+
+    def _predictor_link(self) -> PredictorLink:
+        """The length predictor, dialled as the workers are (the same TLS files and internal key)."""
+        cfg, serving = self.config, self.serving
+        client = PredictorClient(
+            cfg.predictor or "",
+            security=self.security,
+            on_failure=serving.inc_predictor_fallback if serving is not None else None,
+        )
+        return PredictorLink(
+            client,
+            self.cluster,
+            self.metrics,
+            self.clock,
+            model=cfg.predictor_model or self.model,
+            timeout_s=cfg.predictor_timeout_ms / 1e3,
+            on_update=self.settle,
+        )
 
     @staticmethod
     def _check_alike(caps: Sequence[WorkerCapacity]) -> None:
@@ -130,36 +233,8 @@ class LiveScheduler:
         if len(shapes) > 1:
             raise ValueError(f"workers serve different models or block sizes: {sorted(shapes)}")
 
-    def _build_cluster(self, caps: Sequence[WorkerCapacity]) -> Cluster:
-        cfg = self.config
-        sched_cfg = SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            max_waiting=cfg.max_waiting,
-            queue_timeout_s=cfg.queue_timeout_s,
-        )
-        kv = KVAccounting()
-        schedulers = []
-        for w, cap in enumerate(caps):
-            ctx = PolicyContext(
-                worker_id=w,
-                block_size=cap.block_size,
-                num_gpu_blocks=cap.num_gpu_blocks,
-                num_cpu_blocks=cap.num_cpu_blocks,
-                max_model_len=self.max_model_len,
-                max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-            )
-            manager = kv.add_worker(w, cap.num_gpu_blocks, cap.num_cpu_blocks, cap.block_size)
-            schedulers.append(Scheduler(w, manager, build_policy(cfg.policy, ctx), sched_cfg, self.metrics))
-        self.kv = kv
-        smallest = min(c.num_gpu_blocks for c in caps)
-        router_ctx = RouterContext(self.block_size, smallest, self.max_model_len, cfg.max_num_seqs)
-        return Cluster(schedulers, build_router(cfg.router, router_ctx), self.metrics)
-
     async def close(self) -> None:
-        """Stops the loops; unfinished requests end as aborted so their clients hear of it."""
+        """Stops the loops; unfinished requests end UNAVAILABLE so their clients hear of it."""
         self.closing = True
         for loop in self.loops.values():
             loop.wake.set()
@@ -172,122 +247,186 @@ class LiveScheduler:
                 task.cancel()
             _, pending = await asyncio.wait(pending, timeout=0.1)
         self._tasks = []
-        for rid in list(self.streams):
+        for rid, stream in list(self.streams.items()):
+            stream.unavailable = True
             self.abort(rid, "server shutting down")
+        await asyncio.gather(*(loop.remote.end_lease() for loop in self.loops.values()))
         await asyncio.gather(*(loop.remote.close() for loop in self.loops.values()))
+        if self.predictor is not None:
+            await self.predictor.close()
+        self._encode_pool.shutdown(wait=False, cancel_futures=True)
+        self._decode_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ intake
-    def submit(self, msg: generation_pb2.GenerateRequest) -> RequestStream:
-        """Admits one request; raises InvalidRequestError (bad input) or Rejected (live state)."""
+    async def submit(
+        self, msg: generation_pb2.GenerateRequest, *, owner: str = ANONYMOUS, request_id: str = ""
+    ) -> RequestStream:
+        """Admits one request; raises InvalidRequestError (bad input) or Rejected (live state).
+        `request_id`: the id to use when the message names none (the x-request-id metadata)."""
+        check_request(msg, self.limits)
+        rid = msg.request_id or request_id
+        if request_id and not msg.request_id:
+            check_id(request_id, "x-request-id")
+        self._check_admissible(rid, msg)
+        prompt_ids = await self._prompt_ids(msg)
         now = self.clock()
-        request = build_request(msg, self.limits, self.tokenizer, now)
+        request = build_request(msg, self.limits, prompt_ids, now, rid)
         rid = request.request_id
-        if rid in self.streams:
-            raise InvalidRequestError("request_id", f"{rid!r} is already in use by a live request")
-        if not any(self.cluster.healthy.values()):
-            raise Rejected(RejectReason.NO_WORKER, "no healthy worker")
-        if self.num_waiting >= self.config.max_waiting:
-            self.metrics.on_reject(request, RejectReason.QUEUE_FULL, now)
-            raise Rejected(RejectReason.QUEUE_FULL, f"the waiting queue is full ({self.config.max_waiting} requests)")
-        self.metrics.start_trace(request)
-        stream = RequestStream(request, self._detokenizer(request), request.sampling.stop)
+        self._check_admissible(rid, msg, request)
+        self.metrics.start_trace(request, dict(msg.labels))
+        stream = RequestStream(request, self._detokenizer(request), request.sampling.stop, owner)
         self.streams[rid] = stream
         reason = self.cluster.submit(request, now)
         if reason is not None:
             del self.streams[rid]
-            self.cluster.rejected = [r for r in self.cluster.rejected if r is not request]
             raise Rejected(reason, request.finish_message or str(reason))
+        if self.predictor is not None:
+            self.predictor.ask(request)
         self.cluster.release_held(now)
-        self.wake_all()
+        self.settle()
         return stream
+
+    def _check_admissible(self, rid: str, msg: generation_pb2.GenerateRequest, request: Request | None = None) -> None:
+        """Live-state checks, before tokenizing and again after (the state may have changed)."""
+        if rid and rid in self.streams:
+            raise InvalidRequestError("request_id", f"{rid!r} is already in use by a live request")
+        if not self.cluster.any_healthy:
+            raise Rejected(RejectReason.NO_WORKER, "no healthy worker")
+        if self.cluster.num_waiting + self.num_tokenizing >= self.config.max_waiting:
+            now = self.clock()
+            self.metrics.on_reject(request or rejected_stub(rid, msg, now), RejectReason.QUEUE_FULL, now)
+            raise Rejected(RejectReason.QUEUE_FULL, f"the waiting queue is full ({self.config.max_waiting} requests)")
+
+    async def _prompt_ids(self, msg: generation_pb2.GenerateRequest) -> list[int]:
+        if msg.WhichOneof("prompt") != "text":
+            return list(msg.token_ids.ids)
+        if self.tokenizer is None:
+            raise InvalidRequestError("text", "this server has no tokenizer for its model; send token_ids instead")
+        self.num_tokenizing += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._encode_pool, self.tokenizer.encode_unlocked, msg.text)
+        finally:
+            self.num_tokenizing -= 1
 
     def _detokenizer(self, request: Request) -> object | None:
         if self.tokenizer is None:
             return None
         return self.tokenizer.detokenizer(request.prompt_token_ids or (), request.sampling.skip_special_tokens)
 
-    def abort(self, request_id: str, message: str = "aborted") -> bool:
-        """Ends a live request (idempotent): its KV is free at once, the worker is told next step."""
+    def abort(self, request_id: str, message: str = "aborted", *, owner: str | None = None) -> bool:
+        """Ends a live request (idempotent): its KV is free at once, the worker is told next
+        step. `owner`: the caller's identity, checked against the request's (NotOwner)."""
         stream = self.streams.get(request_id)
         if stream is None:
             return False
-        now = self.clock()
-        request = stream.request
-        sched = self.cluster.schedulers.get(request.worker_id) if request.worker_id is not None else None
-        if sched is not None and sched.abort(request_id, now):
-            request.finish_message = message
-            self.settle(sched.worker_id, sched.pop_finished(), now)
-            self.loops[sched.worker_id].wake.set()  # the release goes to the worker with the next plan
-            return True
-        if request in self.cluster.router.held:
-            self.cluster.router.held.remove(request)
-            request.status = RequestStatus.FINISHED_ABORTED
-            request.finish_time = now
-            self.metrics.on_finish(request, now)
-        request.finish_message = message
-        self._close_stream(request)
+        if owner is not None and stream.owner != owner:
+            raise NotOwner(request_id)
+        self.cluster.abort(request_id, self.clock(), message)
+        self.settle()
         return True
 
-    # ------------------------------------------------------------------ called by the loops
-    def deliver(self, tokens: Sequence[tuple[Request, int]], now: float) -> None:
-        metrics = self.metrics
-        self.num_tokens_out += len(tokens)
-        for request, token in tokens:
-            stream = self.streams.get(request.request_id)
-            if stream is None:
-                continue
-            if request.num_output_tokens == 1:
-                metrics.on_first_token(request)
-            if stream.push(token) and not request.status.is_finished:
-                sched = self.cluster.schedulers[request.worker_id]
-                sched.finish(request.request_id, RequestStatus.FINISHED_STOPPED, now, "stop string")
+    def check_owner(self, request_ids: Sequence[str], owner: str) -> None:
+        """NotOwner naming the first live id that another caller made (Abort aborts none then)."""
+        for rid in request_ids:
+            stream = self.streams.get(rid)
+            if stream is not None and stream.owner != owner:
+                raise NotOwner(rid)
 
-    def settle(self, worker_id: int, finished: Sequence[Request], now: float) -> None:
-        """Finished requests leave the router's books and their clients get the last message;
-        requests a policy handed back are placed again (possibly on another worker)."""
-        rerouted = bool(self.cluster.schedulers[worker_id].returned)
-        if finished or rerouted:
-            self.cluster.after_step(worker_id, list(finished), now)
-        for request in finished:
-            self._close_stream(request)
-        self._drain_rejected()
-        if rerouted:
-            self.wake_all()
+    # ------------------------------------------------------------------ called by the loops
+    async def deliver(self, tokens: Sequence[tuple[Request, int]], now: float) -> None:
+        """The step's tokens go to their streams with the text they add (decoded off the
+        event loop when the step has more than a couple of them); a stop string ends its
+        request. A stream that ends while its text is decoded ends after its token."""
+        live = [(self.streams[r.request_id], r, t) for r, t in tokens if r.request_id in self.streams]
+        self.num_tokens_out += len(tokens)
+        for stream, _, _ in live:
+            stream.begin_decoding()
+        try:
+            texts = await self._texts(live)
+        except BaseException:
+            texts = [""] * len(live)
+            raise
+        finally:
+            for (stream, request, token), text in zip(live, texts, strict=True):
+                self._push(stream, request, token, text, now)
+                stream.end_decoding()
+
+    def _push(self, stream: RequestStream, request: Request, token: int, text: str, now: float) -> None:
+        if request.num_output_tokens == 1:
+            self.metrics.on_first_token(request)
+        if stream.push(token, text) and not request.status.is_finished:
+            self.cluster.finish(request.request_id, RequestStatus.FINISHED_STOPPED, now, "stop string")
+
+    async def _texts(self, live: Sequence[tuple[RequestStream, Request, int]]) -> list[str]:
+        decoding = [(s.detokenizer, t) for s, _, t in live if s.detokenizer is not None]
+        if not decoding:
+            return [""] * len(live)
+        if len(decoding) <= INLINE_DETOKENIZE_TOKENS:
+            decoded = iter([d.add(t) for d, t in decoding])
+        else:
+            # NOTE: one batch at a time: a request re-routed between workers must have its ids
+            # fed in order.
+            from sluice.common.tokenizer import detokenize_step
+
+            async with self._decode_lock:
+                decoded = iter(await detokenize_step(self.tokenizer, decoding, self._decode_pool))
+        return [next(decoded) if s.detokenizer is not None else "" for s, _, _ in live]
+
+    def settle(self) -> None:
+        """Requests that ended get their last message; every loop with work is woken (a request
+        may have been placed, re-routed or released from the router's pool)."""
+        for request in self.cluster.pop_ended():
+            if self.predictor is not None:
+                self.predictor.observe(request)
+            stream = self.streams.pop(request.request_id, None)
+            if stream is not None:
+                stream.finish(request)
+                self.metrics.on_stream_end(request)
+        for w, loop in self.loops.items():
+            if self.cluster.has_work(w):
+                loop.wake.set()
         if self.serving is not None:
             self._update_gauges()
 
     def worker_lost(self, worker_id: int, now: float) -> None:
         moved = self.cluster.mark_down(worker_id, now)
-        log.warning("worker %d down: %d requests re-queued on the others", worker_id, len(moved))
+        left = sum(self.cluster.healthy.values())
+        ended = [r for r in moved if r.status.is_finished]
+        if left:
+            log.warning(
+                "worker %d down: %d requests re-queued on the %d workers left", worker_id, len(moved) - len(ended), left
+            )
+        else:
+            log.warning("worker %d down and no worker is left: %d requests end UNAVAILABLE", worker_id, len(ended))
         for request in moved:
             trace = self.metrics.traces.get(request.request_id)
             if trace is not None:
                 trace.event("worker_lost", {"worker_id": worker_id})
                 trace.phase("queue")
-        self._drain_rejected()
-        self.wake_all()
+        self.metrics.on_worker(worker_id, up=False)
+        self.settle()
         self._publish_health()
 
     def worker_back(self, worker_id: int) -> None:
-        self.cluster.mark_up(worker_id)
-        self.cluster.release_held(self.clock())
-        self.wake_all()
+        self.cluster.mark_up(worker_id, self.clock())
+        self.metrics.on_worker(worker_id, up=True)
+        self.settle()
         self._publish_health()
 
-    def wake_all(self) -> None:
-        for loop in self.loops.values():
-            loop.wake.set()
+    def readdress(self, worker_id: int, address: str) -> None:
+        """The worker now listens at `address` (restarted by a supervisor on a new port); the
+        loop's next reconnect dials it there."""
+        log.warning("worker %d moves from %s to %s", worker_id, self.addresses[worker_id], address)
+        self.addresses[worker_id] = address
+        self.loops[worker_id].remote.address = address
 
-    def _close_stream(self, request: Request) -> None:
-        stream = self.streams.pop(request.request_id, None)
-        if stream is not None:
-            stream.finish(request)
-
-    def _drain_rejected(self) -> None:
-        """Requests the cluster refused on re-routing (no healthy worker left) end for their clients."""
-        rejected, self.cluster.rejected = self.cluster.rejected, []
-        for request in rejected:
-            self._close_stream(request)
+    def worker_reset(self, worker_id: int) -> None:
+        """The worker was warmed up again on a new session (its state wiped): the requests it
+        held recompute on it; it never counted as down."""
+        self.cluster.schedulers[worker_id].reset_worker(self.clock())
+        self.metrics.on_reconnect(worker_id)
+        self.settle()
 
     def _publish_health(self) -> None:
         if self.on_health is not None:
@@ -297,19 +436,24 @@ class LiveScheduler:
         assert self.serving is not None
         scheds = self.cluster.schedulers.values()
         self.serving.set_running(sum(len(s.running) for s in scheds))
-        self.serving.set_waiting(self.num_waiting)
+        self.serving.set_waiting(self.cluster.num_waiting)
         total = sum(s.kv.gpu.num_blocks for s in scheds)
         self.serving.set_kv_usage(sum(s.kv.gpu.num_used for s in scheds) / total if total else 0.0)
 
     # ------------------------------------------------------------------ queries
     @property
     def is_healthy(self) -> bool:
-        return any(self.cluster.healthy.values())
+        return self.cluster.any_healthy
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(s.waiting) for s in self.cluster.schedulers.values()) + len(self.cluster.router.held)
+        return self.cluster.num_waiting
 
     def throughput_tok_s(self) -> float:
         elapsed = self.clock() - self.started_at
         return self.num_tokens_out / elapsed if elapsed > 0 else 0.0
+
+
+def rejected_stub(request_id: str, msg: generation_pb2.GenerateRequest, now: float) -> Request:
+    """A request refused before its prompt was tokenized, for the metrics' books."""
+    return Request(request_id or "-", arrival_time=now, num_prompt_tokens=0, slo=slo_of(msg))

@@ -1,12 +1,13 @@
 """One request's way from the worker loops to its Generate handler.
 
-    WorkerLoop: push(token) --> detokenizer delta --> stop-string check --> queue
-                finish(request) ----------------------------------------> queue (end marker)
+    WorkerLoop: step's tokens --detokenize_step (one batch, on a thread)--> text deltas
+                push(token, delta) --> stop-string check --> queue
+                finish(request) -------------------------------------> queue (end marker)
     Generate:   async for chunk in messages(): whatever is queued becomes one message
 
-`push` runs synchronously in the loop right after the step result, so a stop string ends
-the request (Scheduler.finish) before the next step is planned: no token is computed past
-it. Text that could still become the start of a stop string is held back until the next
+`push` runs in the worker loop right after the step's text is decoded and before the next
+step is planned, so a stop string ends the request (Scheduler.finish) with no token computed
+past it. Text that could still become the start of a stop string is held back until the next
 token decides; a stop string and what follows it are never sent (OpenAI semantics).
 """
 
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 from scheduler_service.core.request import Request
 
 if TYPE_CHECKING:
-    from worker_service.tokenizer import IncrementalDetokenizer
+    from sluice.common.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)
@@ -33,26 +34,49 @@ class Chunk:
 
 
 class RequestStream:
-    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer | None, stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        request: Request,
+        detokenizer: IncrementalDetokenizer | None,
+        stop: Sequence[str] = (),
+        owner: str = "",
+    ) -> None:
         self.request = request
+        self.owner = owner  # the caller's identity (sluice.common.security): who may Abort it
         self.stop = tuple(s for s in stop if s)
         self.stopped_by_string = False
         self.done = False
-        self._detokenizer = detokenizer
+        self.detokenizer = detokenizer
+        self.unavailable = False  # ended by the server going away (UNAVAILABLE), not by Abort
+        self._decoding = 0  # tokens of a step whose text is being decoded (they come before the end)
+        self._deferred: Request | None = None
         self._held = ""  # text that may be the start of a stop string
         self._queue: asyncio.Queue[tuple[int, str] | Request] = asyncio.Queue()
 
-    def push(self, token_id: int) -> bool:
-        """Adds one generated token; True when a stop string has just ended the request."""
+    def push(self, token_id: int, delta: str = "") -> bool:
+        """Adds one generated token and the text it added; True when a stop string has just
+        ended the request."""
         if self.stopped_by_string:
             return True
-        delta = self._detokenizer.add(token_id) if self._detokenizer is not None else ""
         text = self._release(self._held + delta)
         self._queue.put_nowait((token_id, text))
         return self.stopped_by_string
 
+    def begin_decoding(self) -> None:
+        """A step's token is on its way: an end that comes meanwhile waits for it."""
+        self._decoding += 1
+
+    def end_decoding(self) -> None:
+        self._decoding -= 1
+        if not self._decoding and self._deferred is not None:
+            request, self._deferred = self._deferred, None
+            self.finish(request)
+
     def finish(self, request: Request) -> None:
         """The request ended (any reason); held-back text goes out unless a stop string ended it."""
+        if self._decoding:
+            self._deferred = request
+            return
         if self.done:
             return
         self.done = True

@@ -1,15 +1,11 @@
-"""Scheduling policies, one module each, registered by name in `POLICIES`.
+"""Scheduling policies, one package per paper plus the baselines, registered by name in `POLICIES`.
 
-Importing this package registers every built-in policy (and the routers that come with them)."""
+    baselines/   vllm, vllm_chunked, orca, sls, fastserve
+    sarathi/     Sarathi-Serve          accelgen/   AccelGen         econoserve/  EconoServe
+    scls/        SCLS (with its routers max_min and scls)           alise/       ALISE
+    common.py    continuous-batching helpers the baselines share (FCFS admission, victims)
+    mlfq.py      the multi-level queue machinery of ALISE and FastServe
 
-from scheduler_service import routers_extra  # noqa: F401  (SCLS policy and routers: scls, max_min, kv_aware)
-from scheduler_service.policies import (  # noqa: F401  (registration)
-    accelgen,
-    alise,
-    chunked,
-    econoserve,
-    fastserve,
-    orca,
-    sls,
-    vllm,
-)
+Importing this package registers every built-in policy and SCLS's routers."""
+
+from scheduler_service.policies import accelgen, alise, baselines, econoserve, sarathi, scls  # noqa: F401  (registration)

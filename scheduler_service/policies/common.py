@@ -17,6 +17,7 @@ from scheduler_service.core.policy import PolicyConfig
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
+from scheduler_service.costmodel.base import CostModel
 
 
 @dataclass
@@ -75,7 +76,7 @@ def schedule_with_preemption(
 def admission_fits(step: StepBuilder, request: Request, cover_tokens: int, watermark: float) -> bool:
     """The request's blocks for `cover_tokens` fit and leave the watermark free."""
     kv = step.kv
-    need = kv.num_new_blocks(request.request_id, cover_tokens)
+    need = step.num_new_blocks(request, cover_tokens)
     return kv.gpu.num_available() - need >= int(watermark * kv.gpu.num_blocks)
 
 
@@ -107,6 +108,33 @@ def preempt_for_priority(step: StepBuilder, request: Request, cover_tokens: int,
         victim = candidates.pop()
         step.preempt(victim, mode, PreemptionReason.PRIORITY)
     return step.can_allocate(request, 0, cover=cover_tokens)
+
+
+def time_limited_chunk(step: StepBuilder, cost_model: CostModel, limit_s: float, request: Request, tokens: int) -> int:
+    """At most `tokens` of the request's prefill, cut so that the step's predicted time (the
+    cost model on the step's shape so far plus this chunk over its prefix, a prefix hit
+    included) stays within `limit_s`; a binary search over the chunk size. Never 0 for the
+    step's first chunk, so a prompt always progresses (at least a block's worth)."""
+    if tokens <= 0:
+        return tokens
+    shape = step.batch_shape()
+    prefix = request.num_computed_tokens or len(step.prefix_hit(request)) * step.kv.block_size
+    floor = 0 if shape.prefill_chunks else min(tokens, step.kv.block_size)
+    chunks = shape.prefill_chunks
+
+    def fits(n: int) -> bool:
+        chunks.append((n, prefix))
+        ok = cost_model.iteration_time(shape) <= limit_s
+        chunks.pop()
+        return ok
+
+    if fits(tokens):
+        return tokens
+    low, high = 0, tokens  # fits(low) (or low == 0), not fits(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return max(low, floor)
 
 
 def reject_unservable(step: StepBuilder, request: Request, why: str) -> None:

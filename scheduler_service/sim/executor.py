@@ -13,8 +13,9 @@ outside the model, calibrated from a live run's step log.
 
 from __future__ import annotations
 
-from scheduler_service.core.plan import KVMoveKind, StepError, StepPlan, StepResult
-from scheduler_service.costmodel.base import BatchShape, CostModel
+from scheduler_service.costmodel.base import CostModel
+from sluice.contract.plan import KVMoveKind, StepError, StepPlan, StepResult
+from sluice.contract.profile import BatchShape
 
 SIM_EOS = 0
 SIM_TOKEN = 1

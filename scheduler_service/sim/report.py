@@ -8,9 +8,21 @@ from pathlib import Path
 
 from scheduler_service.sim.simulator import SimRun
 
+
+def rejected_text(run: SimRun) -> str:
+    """'0', or the count and its reasons: '12 (prompt_too_long 10, unschedulable 2)'."""
+    by_reason = run.details.get("rejected_by_reason") or {}
+    total = sum(by_reason.values())
+    if not total:
+        return "0"
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1]))
+    return f"{total} ({reasons})"
+
+
 _COLUMNS = (
     ("policy", lambda r: r.policy, "{}"),
     ("done", lambda r: f"{r.metrics['num_finished']}/{r.metrics['num_requests']}", "{}"),
+    ("rejected", rejected_text, "{}"),
     ("tok/s", lambda r: r.metrics["throughput_tok_s"], "{:.0f}"),
     ("req/s", lambda r: r.metrics["throughput_req_s"], "{:.2f}"),
     ("goodput", lambda r: r.metrics["goodput_req_s"], "{:.2f}"),

@@ -16,54 +16,84 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
-from kvstore.accounting import KVAccounting
-from scheduler_service import policies  # noqa: F401  (registers the policies)
-from scheduler_service.core.cluster import Cluster
+from scheduler_service.cluster import ClusterSpec, LengthSource, WorkerSpec, build_cluster, build_length_source
 from scheduler_service.core.metrics import MetricsRecorder
-from scheduler_service.core.policy import PolicyContext, build_policy
-from scheduler_service.core.preemption import RejectReason
-from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.sampling import SamplingParams
-from scheduler_service.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_service.core.prefix import PrefixSource
+from scheduler_service.core.request import Request
 from scheduler_service.core.slo import NO_SLO
 from scheduler_service.costmodel.base import CostModel
-from scheduler_service.router import RouterContext, build_router
 from scheduler_service.sim.executor import SIM_EOS, SimulatedExecutor
 from scheduler_service.sim.workloads.base import TraceRequest, Workload
+from sluice.common.config import cli_name, opt
+from sluice.contract.limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS
+from sluice.contract.plan import StepResult
+from sluice.contract.sampling import SamplingParams
 
-LENGTH_SOURCES = ("oracle", "noisy_oracle", "max_tokens", "predictor")
+BUILTIN_SIM_LENGTH_SOURCES = ("oracle", "noisy_oracle", "max_tokens")
 
 
 @dataclass
 class SimConfig:
-    policy: str = "vllm"  # name[:key=value,...]
-    num_workers: int = 1
-    router: str = "round_robin"
-    block_size: int = 16
-    kv_gb: float | None = None  # KV memory per worker; None: what memory minus weights leaves
-    gpu_memory_utilization: float = 0.9
-    swap_space_gb: float = 16.0  # CPU swap space per worker
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(8192, max_model_len)
-    max_model_len: int | None = None  # None: the model's
-    max_tokens: int | None = None  # cap of every request's max_tokens (default: context left)
-    length_source: str = "max_tokens"
-    length_error: float = 0.2  # relative std of the noisy oracle
-    queue_timeout_s: float | None = None
-    max_waiting: int = 1_000_000
-    overlap_swap: bool = False
+    policy: str = opt("vllm", "policy[:key=value,...]", flag=False)  # the CLI repeats --policy to compare
+    num_workers: int = opt(1, "workers (one GPU each, or one tensor-parallel group)", cli="workers")
+    router: str = opt("round_robin", "router[:key=value,...] across the workers")
+    block_size: int = opt(DEFAULT_BLOCK_SIZE, "KV block size in tokens")
+    kv_gb: float | None = opt(None, "KV cache per worker in GiB; none: the GPU's memory minus the weights")
+    gpu_memory_utilization: float = opt(0.9, "share of GPU memory for weights, activations and KV")
+    swap_space_gb: float = opt(16.0, "CPU swap space per worker in GiB")
+    max_num_seqs: int = opt(DEFAULT_MAX_NUM_SEQS, "sequences per step and worker")
+    max_num_batched_tokens: int | None = opt(None, "tokens per step and worker; none: max(8192, max_model_len)")
+    max_model_len: int | None = opt(None, "context length; none: the model's")
+    max_tokens: int | None = opt(None, "cap of every request's max_tokens; none: the context left")
+    length_source: str = opt(
+        "max_tokens",
+        "predicted output lengths: max_tokens, oracle, noisy_oracle, or predictor[:DIR] (the real predictor on the "
+        "trace's prompts; its held-out error model for traces without text)",
+    )
+    length_error: float = opt(0.2, "relative standard deviation of noisy_oracle")
+    queue_timeout_s: float | None = opt(None, "a request not admitted within this many seconds ends as timed out")
+    max_waiting: int = opt(1_000_000, "bound of each worker's waiting queue")
+    overlap_swap: bool = opt(False, "swaps run on their own stream and overlap the forward pass")
     # CPU time of the serving stack per step outside the model (scheduling, transport,
     # streaming), as Vidur's optional CPU overheads: step_overhead_s + seq_overhead_s x seqs.
-    step_overhead_s: float = 0.0
-    seq_overhead_s: float = 0.0
-    int8_swap: bool = False
-    seed: int = 0
-    progress: bool = False
+    step_overhead_s: float = opt(0.0, "serving-stack CPU time per step outside the model")
+    seq_overhead_s: float = opt(0.0, "serving-stack CPU time per scheduled sequence")
+    int8_swap: bool = opt(False, "int8-compress swapped KV (halves swap bytes)")
+    prefix_caching: bool = opt(True, "automatic prefix caching: reuse the KV of full blocks a request shares")
+    seed: int = opt(0, "seed of the noisy oracle (the workload's --seed)", flag=False)
+    progress: bool = opt(False, "progress bar", flag=False)
+
+    def validate(self) -> None:
+        """Refuses a setting no simulation can run with, in one line naming its flag."""
+        at_least(self, "num_workers", 1)
+        at_least(self, "block_size", 1)
+        at_least(self, "max_num_seqs", 1)
+        at_least(self, "max_num_batched_tokens", 1)
+        at_least(self, "max_model_len", 2, "a prompt token and an output token")
+        at_least(self, "max_tokens", 1)
+        at_least(self, "max_waiting", 1)
+        for name in ("swap_space_gb", "length_error", "step_overhead_s", "seq_overhead_s"):
+            at_least(self, name, 0)
+        if self.kv_gb is not None and self.kv_gb <= 0:
+            raise ValueError(f"--kv-gb must be > 0 GiB, got {self.kv_gb}")
+        if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
+            raise ValueError(f"--queue-timeout-s must be > 0, got {self.queue_timeout_s}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+def at_least(config: object, name: str, low: float, why: str = "") -> None:
+    """`config.name` is None or >= low; else ValueError naming the field's flag."""
+    value = getattr(config, name)
+    if value is not None and value < low:
+        flag = "--" + next(cli_name(f) for f in fields(config) if f.name == name).replace("_", "-")  # type: ignore[arg-type]
+        reason = f" ({why})" if why else ""
+        raise ValueError(f"{flag} must be >= {low}{reason}, got {value}")
 
 
 @dataclass
@@ -85,21 +115,30 @@ class SimRun:
 
 
 class Simulation:
-    def __init__(self, config: SimConfig, workload: Workload, cost_model: CostModel) -> None:
-        if config.length_source not in LENGTH_SOURCES:
-            raise ValueError(f"length_source must be one of {LENGTH_SOURCES}, got {config.length_source!r}")
-        if config.length_source == "predictor":
-            raise ValueError("length_source 'predictor' needs the predictor service; use oracle or noisy_oracle")
+    def __init__(
+        self,
+        config: SimConfig,
+        workload: Workload,
+        cost_model: CostModel,
+        length_source: LengthSource | None = None,
+    ) -> None:
+        """`length_source`: predictions made outside (e.g. the predictor over the trace's
+        prompts, as a TableLengths); None builds `config.length_source` by name."""
+        config.validate()
+        if not workload.requests:
+            raise ValueError(f"workload {workload.name!r} has no requests")
         if not workload.has_arrivals:
             raise ValueError(f"workload {workload.name!r} has no arrival times: give a rate")
         self.config = config
         self.workload = workload
         self.cost_model = cost_model
-        self.max_model_len = config.max_model_len or cost_model.model.max_model_len
-        self.metrics = MetricsRecorder()
+        model_len = config.max_model_len
+        self.max_model_len = model_len if model_len is not None else cost_model.model.max_model_len
         self.truth: dict[str, int] = {}
-        self._rng = np.random.default_rng(config.seed)
-        self.cluster = self._build_cluster()
+        self.spec = self._cluster_spec(length_source)
+        self.cluster = build_cluster(self.spec, MetricsRecorder(), timer=time.perf_counter)
+        self.metrics = self.cluster.metrics
+        self.kv = self.cluster.kv
         bytes_per_block = cost_model.model.kv_bytes_per_token_per_gpu * config.block_size
         self.executors = {
             w: SimulatedExecutor(
@@ -112,80 +151,75 @@ class Simulation:
             for w in self.cluster.schedulers
         }
 
-    def _build_cluster(self) -> Cluster:
+    def _cluster_spec(self, length_source: LengthSource | None) -> ClusterSpec:
         cfg = self.config
+        if length_source is None:
+            if cfg.length_source not in BUILTIN_SIM_LENGTH_SOURCES:
+                raise ValueError(
+                    f"length_source must be one of {', '.join(BUILTIN_SIM_LENGTH_SOURCES)} "
+                    f"(or predictions given as a table), got {cfg.length_source!r}"
+                )
+            length_source = build_length_source(cfg.length_source, relative_error=cfg.length_error, seed=cfg.seed)
         num_gpu = self.cost_model.num_kv_blocks(cfg.block_size, cfg.gpu_memory_utilization, cfg.kv_gb)
         bytes_per_block = self.cost_model.model.kv_bytes_per_token_per_gpu * cfg.block_size
-        num_cpu = int(cfg.swap_space_gb * 2**30 // bytes_per_block)
-        max_batched = cfg.max_num_batched_tokens or max(8192, self.max_model_len)
-        kv = KVAccounting()
-        schedulers = []
-        for w in range(cfg.num_workers):
-            ctx = PolicyContext(
-                worker_id=w,
-                block_size=cfg.block_size,
-                num_gpu_blocks=num_gpu,
-                num_cpu_blocks=num_cpu,
-                max_model_len=self.max_model_len,
-                max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=max_batched,
-                cost_model=self.cost_model,
-                extras={"int8_swap": cfg.int8_swap, **self._slo_extras()},
-            )
-            sched_cfg = SchedulerConfig(
-                max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=max_batched,
-                max_model_len=self.max_model_len,
-                max_waiting=cfg.max_waiting,
-                queue_timeout_s=cfg.queue_timeout_s,
-            )
-            manager = kv.add_worker(w, num_gpu, num_cpu, cfg.block_size)
-            schedulers.append(Scheduler(w, manager, build_policy(cfg.policy, ctx), sched_cfg, self.metrics))
-        self.kv = kv
-        router_ctx = RouterContext(cfg.block_size, num_gpu, self.max_model_len, cfg.max_num_seqs, self.cost_model)
-        return Cluster(schedulers, build_router(cfg.router, router_ctx), self.metrics)
+        worker = WorkerSpec(num_gpu, int(cfg.swap_space_gb * 2**30 // bytes_per_block), cfg.block_size)
+        return ClusterSpec(
+            policy=cfg.policy,
+            workers=(worker,) * cfg.num_workers,
+            cost_model=self.cost_model,
+            max_model_len=self.max_model_len,
+            router=cfg.router,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_waiting=cfg.max_waiting,
+            queue_timeout_s=cfg.queue_timeout_s,
+            tbt_slo_s=self._workload_tbt_slo(),
+            int8_swap=cfg.int8_swap,
+            length_source=length_source,
+            prefix_caching=cfg.prefix_caching,
+        )
 
-    def _slo_extras(self) -> dict[str, float]:
+    def _workload_tbt_slo(self) -> float | None:
         tbt = [r.slo.tbt_s for r in self.workload.requests if r.slo is not None and r.slo.tbt_s is not None]
-        return {"tbt_slo_s": float(np.median(tbt))} if tbt else {}
+        return float(np.median(tbt)) if tbt else None
 
     # ------------------------------------------------------------------ requests
     def _make_request(self, tr: TraceRequest) -> Request:
         prompt = max(1, tr.prompt_tokens)
         room = max(1, self.max_model_len - prompt)
-        max_tokens = min(room, self.config.max_tokens) if self.config.max_tokens else room
+        max_tokens = min(room, self.config.max_tokens) if self.config.max_tokens is not None else room
         true_out = max(1, min(tr.output_tokens, max_tokens))
+        ids = list(tr.prompt_token_ids) if tr.prompt_token_ids is not None else None
         request = Request(
             tr.request_id,
             arrival_time=float(tr.arrival_s or 0.0),
-            num_prompt_tokens=prompt,
+            num_prompt_tokens=None if ids else prompt,
+            prompt_token_ids=ids or None,
+            prefix_source=self._prefix_source(tr),
             sampling=SamplingParams(max_tokens=max_tokens),
             slo=tr.slo or NO_SLO,
             priority=tr.priority,
             tenant=tr.tenant,
             eos_token_ids=frozenset((SIM_EOS,)),
-            predicted_output_tokens=self._predict(true_out, max_tokens),
-            length_source=self.config.length_source,
             true_output_tokens=true_out,
         )
         self.truth[tr.request_id] = true_out
         return request
 
-    def _predict(self, true_out: int, max_tokens: int) -> int | None:
-        source = self.config.length_source
-        if source == "oracle":
-            return true_out
-        if source == "noisy_oracle":
-            noisy = true_out * (1.0 + self._rng.normal(0.0, self.config.length_error))
-            return int(min(max_tokens, max(1, round(noisy))))
-        return None
+    def _prefix_source(self, tr: TraceRequest) -> PrefixSource:
+        """What names the request's blocks for prefix caching: the trace's block hashes, its
+        token ids (with the reference answer's ids for the generated tokens), or nothing
+        (blocks unique to the request)."""
+        per = int(self.workload.metadata.get("prefix_block_tokens", 512))
+        return PrefixSource(tr.prefix_hash_ids, per, tr.output_token_ids)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> SimRun:
         arrivals = sorted(self.workload.requests, key=lambda r: (r.arrival_s or 0.0, r.request_id))
+        cluster = self.cluster
         events: list[tuple[float, int, int]] = []  # (completion time, seq, worker)
-        busy: dict[int, bool] = dict.fromkeys(self.cluster.schedulers, False)
-        results: dict[int, Any] = {}
+        busy: dict[int, bool] = dict.fromkeys(cluster.schedulers, False)
+        results: dict[int, StepResult] = {}
         seq = 0
         i = 0
         now = 0.0
@@ -201,60 +235,32 @@ class Simulation:
             if next_done <= now:
                 _, _, w = heapq.heappop(events)
                 busy[w] = False
-                out = self.cluster.schedulers[w].on_step_result(results.pop(w), now)
-                self.cluster.after_step(w, out.finished, now)
-                if bar is not None and out.finished:
-                    bar.update(sum(1 for r in out.finished if r.status.is_finished))
+                cluster.complete_step(w, results.pop(w), now)
             elif next_arrival <= now:
-                reason = self.cluster.submit(self._make_request(arrivals[i]), now)
-                i += 1
-                if bar is not None and reason is not None:
+                if cluster.submit(self._make_request(arrivals[i]), now) is not None and bar is not None:
                     bar.update(1)
-            self.cluster.release_held(now)
-            for w, s in self.cluster.schedulers.items():
-                if not busy[w] and s.has_work:
-                    seq = self._start_step(w, now, events, results, busy, seq, bar)
+                i += 1
+            cluster.release_held(now)
+            for w in cluster.schedulers:
+                if not busy[w] and cluster.has_work(w):
+                    plan = cluster.plan_step(w, now)
+                    if plan is not None:
+                        results[w] = result = self.executors[w].execute(plan)
+                        busy[w] = True
+                        heapq.heappush(events, (now + result.total_s, seq, w))
+                        seq += 1
+            ended = cluster.pop_ended()
+            if bar is not None and ended:
+                bar.update(len(ended))
         if bar is not None:
             bar.close()
-        self._reject_leftovers(now)
+        cluster.reject_leftovers(now)
+        cluster.pop_ended()
         return self._report()
 
-    def _start_step(self, w: int, now: float, events: list, results: dict, busy: dict, seq: int, bar: Any) -> int:
-        sched = self.cluster.schedulers[w]
-        t0 = time.perf_counter()
-        plan = sched.schedule(now)
-        self.metrics.on_schedule_overhead(time.perf_counter() - t0)
-        finished = sched.pop_finished()
-        if finished or sched.returned:  # NOTE: requests a policy handed back go to the router now
-            self.cluster.after_step(w, finished, now)
-            if bar is not None:
-                bar.update(len(finished))
-        if plan.is_empty:
-            sched.on_step_result(self.executors[w].execute(plan), now)
-            return seq
-        result = self.executors[w].execute(plan)
-        results[w] = result
-        busy[w] = True
-        heapq.heappush(events, (now + result.total_s, seq, w))
-        return seq + 1
-
     def _next_wakeup(self, now: float, busy: dict[int, bool]) -> float:
-        times = [self.cluster.router.next_release(now)]
-        times += [s.policy.next_wakeup(now) for w, s in self.cluster.schedulers.items() if not busy[w]]
-        future = [t for t in times if t is not None and t > now]
-        return min(future) if future else math.inf
-
-    def _reject_leftovers(self, now: float) -> None:
-        """Requests no policy could ever place (e.g. more KV than a worker has) end as
-        rejected, so every request of the trace is accounted for."""
-        for sched in self.cluster.schedulers.values():
-            for rid in list(sched.requests):
-                sched.finish(rid, RequestStatus.FINISHED_REJECTED, now, "unschedulable: never fit this worker")
-            sched.pop_finished()
-        for request in self.cluster.router.held:
-            request.status = RequestStatus.FINISHED_REJECTED
-            self.metrics.on_reject(request, RejectReason.UNSCHEDULABLE, now)
-        self.cluster.router.held.clear()
+        due = self.cluster.next_wakeup(now, [w for w, b in busy.items() if not b])
+        return due if due is not None and due > now else math.inf
 
     def _report(self) -> SimRun:
         cm = self.cost_model
@@ -265,7 +271,8 @@ class Simulation:
             "tensor_parallel": cm.model.tensor_parallel,
             "cost_model": cm.name,
             "max_model_len": self.max_model_len,
-            "num_gpu_blocks": next(iter(self.kv.workers.values())).gpu.num_blocks,
+            "num_gpu_blocks": self.spec.workers[0].num_gpu_blocks,
+            "length_source": self.spec.length_source.name,
         }
         config.pop("progress", None)
         return SimRun(
@@ -285,5 +292,7 @@ def _progress(total: int, config: SimConfig) -> Any:
     return tqdm(total=total, desc=f"simulate {config.policy}", unit="req", leave=False)
 
 
-def simulate(config: SimConfig, workload: Workload, cost_model: CostModel) -> SimRun:
-    return Simulation(config, workload, cost_model).run()
+def simulate(
+    config: SimConfig, workload: Workload, cost_model: CostModel, length_source: LengthSource | None = None
+) -> SimRun:
+    return Simulation(config, workload, cost_model, length_source).run()

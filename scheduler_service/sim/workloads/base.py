@@ -38,6 +38,7 @@ class TraceRequest:
     tenant: str = ""
     source: str = ""  # the data set or generator component the request came from
     prefix_hash_ids: tuple[int, ...] = ()  # Mooncake: hashes of the prompt's 512-token prefix blocks
+    output_token_ids: tuple[int, ...] | None = None  # the reference answer's ids (multi-turn traces)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,21 @@ def _has_columns(required: set[str]) -> Callable[[FileHead], bool]:
     return matches
 
 
+def _float(row: dict[str, str | None], column: str, index: int) -> float:
+    """A numeric cell; a missing or malformed one names its row (the header is row 1)."""
+    raw = row.get(column)
+    if raw is None or not raw.strip():
+        raise ValueError(f"row {index + 2}: column {column!r} is empty")
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"row {index + 2}: column {column!r} is not a number: {raw!r}") from None
+
+
+def _number(row: dict[str, str | None], column: str, index: int) -> int:
+    return int(_float(row, column, index))
+
+
 def _full(requests: list[TraceRequest], opts: ReadOptions) -> bool:
     return opts.num_requests is not None and len(requests) >= opts.num_requests
 
@@ -43,7 +58,7 @@ def read_vidur(path: Path, opts: ReadOptions) -> tuple[list[TraceRequest], dict[
     for i, row in enumerate(iter_csv_rows(path)):
         if _full(requests, opts):
             break
-        prompt, output = int(float(row["num_prefill_tokens"])), int(float(row["num_decode_tokens"]))
+        prompt, output = _number(row, "num_prefill_tokens", i), _number(row, "num_decode_tokens", i)
         requests.append(TraceRequest(str(i), None, prompt, output, source=path.stem))
     return requests, {}
 
@@ -54,12 +69,11 @@ def read_azure(path: Path, opts: ReadOptions) -> tuple[list[TraceRequest], dict[
     for i, row in enumerate(iter_csv_rows(path)):
         if _full(requests, opts):
             break
-        stamp = datetime.fromisoformat(row["TIMESTAMP"].strip())
+        stamp = datetime.fromisoformat((row["TIMESTAMP"] or "").strip())
         first = first or stamp
         arrival = (stamp - first).total_seconds()
-        requests.append(
-            TraceRequest(str(i), arrival, int(row["ContextTokens"]), int(row["GeneratedTokens"]), source=path.stem)
-        )
+        prompt, output = _number(row, "ContextTokens", i), _number(row, "GeneratedTokens", i)
+        requests.append(TraceRequest(str(i), arrival, prompt, output, source=path.stem))
     return requests, {"first_timestamp": first.isoformat() if first else None}
 
 
@@ -70,16 +84,16 @@ def read_burstgpt(path: Path, opts: ReadOptions) -> tuple[list[TraceRequest], di
     for i, row in enumerate(iter_csv_rows(path)):
         if _full(requests, opts):
             break
-        output = int(float(row["Response tokens"]))
+        output = _number(row, "Response tokens", i)
         if output == 0:
             failed += 1
             continue
-        stamp = float(row["Timestamp"])
+        stamp = _float(row, "Timestamp", i)
         first = stamp if first is None else first
         tenant = f"{row['Model'].strip()}:{row['Log Type'].strip()}"
         requests.append(
             TraceRequest(
-                str(i), stamp - first, int(float(row["Request tokens"])), output, tenant=tenant, source="burstgpt"
+                str(i), stamp - first, _number(row, "Request tokens", i), output, tenant=tenant, source="burstgpt"
             )
         )
     skipped = {"failed_zero_response_tokens": failed}

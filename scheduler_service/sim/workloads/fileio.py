@@ -6,24 +6,15 @@ and never holds a whole large file in memory. `read_head` is what format detecti
 from __future__ import annotations
 
 import csv
-import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from scheduler_service.sim.workloads.base import FileHead
+from sluice.common.paths import open_text
 
-_GZIP_MAGIC = b"\x1f\x8b"
 _CHUNK_CHARS = 1 << 20
-
-
-def open_text(path: Path) -> IO[str]:
-    with open(path, "rb") as raw:
-        is_gzip = raw.read(2) == _GZIP_MAGIC
-    if is_gzip:
-        return gzip.open(path, "rt", encoding="utf-8", newline="")
-    return open(path, encoding="utf-8-sig", newline="")
 
 
 def iter_csv_rows(path: Path) -> Iterator[dict[str, str]]:

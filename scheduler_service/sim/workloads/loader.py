@@ -1,6 +1,7 @@
 """`load_trace`: a short name, a synthetic generator's name or a path in, a `Workload` out.
 
-Data flow: name -> file in `data_dir()` (SHORT_NAMES) or a path -> format (given, or
+Data flow: name -> file found by `data_file()` (SHORT_NAMES; $SLUICE_DATA_DIR, the bundled
+data/, the shared folder beside the checkout) or a path -> format (given, or
 detected from the file's header / first record by each TRACE_FORMATS entry's `matches`) ->
 the format's reader (streams, stops at `num_requests`) -> `Workload` with provenance
 metadata -> optional arrival process (arrivals.py). Synthetic names (synthetic.py) skip the
@@ -13,13 +14,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from scheduler_service.sim.workloads import csv_formats, json_formats, sluice_jsonl  # noqa: F401  (registration)
+from scheduler_service.sim.workloads import (  # noqa: F401  (registration)
+    csv_formats,
+    json_formats,
+    multiturn,
+    sluice_jsonl,
+)
 from scheduler_service.sim.workloads.arrivals import apply_arrivals
-from scheduler_service.sim.workloads.base import TRACE_FORMATS, FileHead, ReadOptions, TraceFormat, Workload
+from scheduler_service.sim.workloads.base import (
+    TRACE_FORMATS,
+    FileHead,
+    ReadOptions,
+    TraceFormat,
+    TraceRequest,
+    Workload,
+)
 from scheduler_service.sim.workloads.fileio import read_head
 from scheduler_service.sim.workloads.synthetic import SYNTHETIC_WORKLOADS
 from scheduler_service.sim.workloads.tokens import TokenCounter, make_token_counter
-from sluice.common.paths import data_dir
+from sluice.common.paths import DataFileNotFoundError, data_file
 
 SHORT_NAMES: dict[str, str] = {
     "azure-conv": "traces/AzureLLMInferenceTrace_conv.csv",
@@ -28,9 +41,19 @@ SHORT_NAMES: dict[str, str] = {
     "sharegpt": "traces/sarathi_sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
     "mooncake": "traces/mooncake_synthetic_trace.jsonl",
     "sharegpt-conversations": "prompts/sharegpt_v3_conversations.jsonl.gz",
+    "sharegpt-multiturn": "prompts/sharegpt_v3_conversations.jsonl.gz",
     "alpaca-eval": "prompts/alpaca_eval_outputs_32models.jsonl.gz",
     "codealpaca": "prompts/codealpaca_new_codealpaca.json",
     "codealpaca-2k": "prompts/codealpaca_code_alpaca_2k.json",
+    # Subsets bundled in data/ (prefixes of the two files above them, data/README.md).
+    "sharegpt-conversations-2k": "prompts/sharegpt_v3_conversations_2k_first_turns.jsonl.gz",
+    "sharegpt-multiturn-300": "prompts/sharegpt_v3_conversations_300_whole.jsonl.gz",
+    "alpaca-eval-2models": "prompts/alpaca_eval_outputs_2models.jsonl.gz",
+}
+# Short names read with a format of their own rather than the one detected from the file.
+SHORT_NAME_FORMATS: dict[str, str] = {
+    "sharegpt-multiturn": "sharegpt-multiturn",
+    "sharegpt-multiturn-300": "sharegpt-multiturn",
 }
 DEFAULT_SYNTHETIC_REQUESTS = 10_000
 # NOTE: sluice is checked first: its records may carry any other format's keys as extras.
@@ -44,10 +67,10 @@ def known_names() -> list[str]:
 def resolve_path(name_or_path: str | Path) -> Path:
     key = str(name_or_path)
     if key in SHORT_NAMES:
-        path = data_dir() / SHORT_NAMES[key]
-        if not path.is_file():
-            raise FileNotFoundError(f"trace {key!r} should be at {path}, which does not exist")
-        return path
+        try:
+            return data_file(SHORT_NAMES[key])
+        except DataFileNotFoundError as exc:
+            raise DataFileNotFoundError(f"trace {key!r}: {exc}") from None
     path = Path(name_or_path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(
@@ -88,6 +111,25 @@ def _expected() -> str:
     return "; ".join(TRACE_FORMATS.get(n).description for n in TRACE_FORMATS)
 
 
+def check_requests(requests: list[TraceRequest]) -> None:
+    """Lengths >= 1 and arrivals that start at >= 0 and never go back in time; the first
+    offending record is named (records count from 1)."""
+    last = 0.0
+    for i, r in enumerate(requests, start=1):
+        if r.prompt_tokens < 1:
+            raise ValueError(f"record {i} (request {r.request_id!r}): prompt length {r.prompt_tokens} must be >= 1")
+        if r.output_tokens < 1:
+            raise ValueError(f"record {i} (request {r.request_id!r}): output length {r.output_tokens} must be >= 1")
+        if r.arrival_s is None:
+            continue
+        if r.arrival_s < last:
+            raise ValueError(
+                f"record {i} (request {r.request_id!r}): timestamp {r.arrival_s:g} s comes before the previous "
+                f"record's {last:g} s (timestamps must be >= 0 and sorted)"
+            )
+        last = r.arrival_s
+
+
 def read_trace_file(
     path: str | Path,
     *,
@@ -103,8 +145,10 @@ def read_trace_file(
     counter = token_counter or make_token_counter()
     try:
         requests, extra = trace_format.read(path, ReadOptions(num_requests, counter))
-    except (KeyError, ValueError) as exc:
-        raise ValueError(f"{path}: not a valid {trace_format.description} file: {exc!r}") from exc
+        check_requests(requests)
+    except (KeyError, ValueError, TypeError) as exc:
+        detail = str(exc) if isinstance(exc, ValueError) else repr(exc)
+        raise ValueError(f"{path}: not a valid {trace_format.description} file: {detail}") from None
     metadata: dict[str, Any] = {
         "path": str(path),
         "format": trace_format.name,
@@ -138,6 +182,7 @@ def load_trace(
     else:
         counter = token_counter or make_token_counter(tokenizer_path)
         name = key if key in SHORT_NAMES else None
+        fmt = fmt or SHORT_NAME_FORMATS.get(key)
         workload = read_trace_file(
             resolve_path(key), num_requests=num_requests, fmt=fmt, token_counter=counter, name=name
         )

@@ -44,10 +44,16 @@ class HFTokenizerCounter:
         except ImportError as exc:
             raise ImportError("counting with a tokenizer.json needs the `tokenizers` package") from exc
         self._tokenizer = Tokenizer.from_file(str(path))
-        self.name = f"tokenizer {path.name} ({path})"
+        # NOTE: encoder tokenizer.json files (MiniLM's) pad and truncate to 128: a count must not.
+        self._tokenizer.no_padding()
+        self._tokenizer.no_truncation()
+        self.name = "tokenizer " + "/".join(path.parts[-3:])
 
     def __call__(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
 DEFAULT_TOKEN_COUNTER = WordTokenCounter(1.3)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler_service.policies.scls_estimator import MemoryEstimator, ServingTimeEstimator
+from scheduler_service.policies.scls.estimator import MemoryEstimator, ServingTimeEstimator
 
 
 @dataclass(slots=True)

@@ -34,7 +34,11 @@ victim is the running request with the largest T_r (recompute by default). A req
 over the compute budget is not preempted: it keeps its KV and waits in the queue.
 Inputs: per-request SLOs, the predicted output length (JCT SLOs; max_tokens when None),
 the cost model (pivot forward size), step durations (T_max).
-Configuration: chunk, order, batch, era, long_prompt_tokens, gamma_s, default_ttft_s,
+Long prompts (`price_in_time`, part of `chunk`, on by default): Eq. 6 turns SLO_min into
+tokens with the pivot's tokens-per-second, which holds over short prefixes only; a chunk also
+stops where the step's predicted time (the cost model, the chunk's attention over its prefix
+included) would pass SLO_min, as `sarathi` does.
+Configuration: chunk, order, batch, era, price_in_time, long_prompt_tokens, gamma_s, default_ttft_s,
 default_tbt_s, min_budget, fixed_budget, pivot_tokens, pivot_s, watermark, max_candidates,
 max_scan, watermark, allocate_whole_prompt, demote_missed, preemption_mode.
 """
@@ -43,22 +47,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_service.core.plan import StepPlan, StepResult
 from scheduler_service.core.policy import POLICIES, Policy, PolicyConfig, PolicyContext
 from scheduler_service.core.preemption import PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.costmodel.pivot import pivot_forward_size
-from scheduler_service.policies.accelgen_kv import cover_tokens, fits_with_watermark, kv_fit, kv_victim
-from scheduler_service.policies.accelgen_queue import (
+from scheduler_service.policies.accelgen.kv import cover_tokens, fits_with_watermark, kv_fit, kv_victim
+from scheduler_service.policies.accelgen.queue import (
     AccelGenState,
     DeadlineIndex,
     RemainingTime,
     holds_kv,
     is_offline,
 )
-from scheduler_service.policies.accelgen_select import Candidate, CandidateSet
-from scheduler_service.policies.common import preemption_mode
+from scheduler_service.policies.accelgen.select import Candidate, CandidateSet
+from scheduler_service.policies.common import preemption_mode, time_limited_chunk
+from sluice.contract.plan import StepPlan, StepResult
 
 Entry = tuple[float, int, str]
 _DECODING = RequestStatus.DECODING
@@ -83,6 +87,7 @@ class AccelGenConfig(PolicyConfig):
     max_scan: int = 2048  # queue entries one step may look at
     watermark: float = 0.01  # share of GPU blocks new admissions leave free (vLLM's watermark)
     allocate_whole_prompt: bool = True  # blocks for the whole prompt at its first chunk (vLLM)
+    price_in_time: bool = True  # a prompt chunk also stops where the step's predicted time passes SLO_min
     demote_missed: bool = True  # a waiting request past its SLO is no longer urgent (not in the paper)
 
 
@@ -93,6 +98,8 @@ class _Round:
     step: StepBuilder
     now: float
     budget_set: bool = False
+    slo_s: float = float("inf")  # the tightest iteration SLO that fixed the budget (chunks priced against it)
+    decode_slo_s: float | None = None  # the tightest TBT SLO of the running decodes (computed once a round)
     allow_waiting: bool = True
     misses: int = 0
     scanned: int = 0
@@ -136,6 +143,7 @@ class AccelGenPolicy(Policy):
         """The first chosen request fixes SLO_min (queue tightest first); under FCFS a later,
         tighter request lowers it again (section 4.2)."""
         budget = r.step.budget
+        r.slo_s = min(r.slo_s, slo_s)
         if not r.budget_set:
             budget.max_tokens = self.budget_for(slo_s)
             r.budget_set = True
@@ -166,6 +174,13 @@ class AccelGenPolicy(Policy):
         request.policy_state = AccelGenState(request, now)
         self._new_jct_budget(request, now)
         self._enqueue(request, now)
+
+    def on_prediction(self, request: Request, now: float) -> None:
+        """A later prediction changes an offline request's JCT budget (its tokens left), hence its
+        deadline; an online request's deadline rests on its iteration SLOs alone."""
+        if request.status.is_waiting and self.index.drop(request.request_id) is not None:
+            self._new_jct_budget(request, now)
+            self._enqueue(request, None)
 
     def on_preempted(self, request: Request, now: float) -> None:
         self.rt.observe_preemption()
@@ -295,6 +310,11 @@ class AccelGenPolicy(Policy):
         waiting = req.status.is_waiting
         if not waiting and req.is_prefill:
             n = min(n, max(kv_fit(step.kv, req, self.config.watermark), 1))  # a chunk that fits beats a preemption
+        cm = self.ctx.cost_model
+        if req.is_prefill and self.config.chunk and self.config.price_in_time and cm is not None:
+            n = time_limited_chunk(step, cm, self._step_slo(r), req, n)
+            if n <= 0:
+                return False
         cover = cover_tokens(req, n, self.config.allocate_whole_prompt)
         if waiting and not fits_with_watermark(step.kv, req, cover, self.config.watermark):
             self._miss(r)
@@ -310,6 +330,14 @@ class AccelGenPolicy(Policy):
                 return False
         self._scheduled(r, req, n)
         return True
+
+    def _step_slo(self, r: _Round) -> float:
+        """SLO_min of the batch: the SLO that fixed the budget, or a running decode's tighter
+        TBT SLO (every running decode belongs to the batch: it is urgent or it is chosen)."""
+        if r.decode_slo_s is None:
+            slos = [self.rt.iteration_slo(q) for q in r.step.running.values() if not q.is_prefill]
+            r.decode_slo_s = min(slos, default=float("inf"))
+        return min(r.slo_s, r.decode_slo_s)
 
     def _scheduled(self, r: _Round, req: Request, n: int) -> None:
         state: AccelGenState = req.policy_state

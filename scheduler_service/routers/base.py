@@ -1,4 +1,4 @@
-"""Global scheduling across workers: which worker's queue a request joins.
+"""The router contract: global scheduling across workers, which worker's queue a request joins.
 
 A router sees one `WorkerLoad` per worker and answers a worker id, or None to hold the
 request in its own pool (routers that batch globally, like SCLS's, release held
@@ -29,6 +29,9 @@ class WorkerLoad:
     num_running: int
     free_gpu_blocks: int
     total_gpu_blocks: int
+    # Filled only for a router that `wants_prefix_match`:
+    cached_tokens: int = 0  # of the request being placed, found in this worker's prefix cache
+    waiting_tokens: int = 0  # tokens its waiting requests still have to compute
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,9 @@ class RouterContext:
 
 class Router(ABC):
     name = "abstract"
+    # A router that sets this is given, in each WorkerLoad of `select`, how many of the
+    # request's tokens that worker's prefix cache holds (a lookup per worker per request).
+    wants_prefix_match = False
 
     def __init__(self) -> None:
         self.held: list[Request] = []
@@ -82,52 +88,3 @@ def build_router(spec: str, ctx: RouterContext | None = None) -> Router:
 
 def healthy_ids(loads: Sequence[WorkerLoad]) -> list[int]:
     return [w.worker_id for w in loads if w.healthy]
-
-
-@ROUTERS.register("round_robin")
-class RoundRobinRouter(Router):
-    name = "round_robin"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._next = 0
-
-    def select(self, request: Request, loads: Sequence[WorkerLoad], now: float) -> int | None:
-        n = len(loads)
-        for i in range(n):
-            load = loads[(self._next + i) % n]
-            if load.healthy:
-                self._next = (self._next + i + 1) % n
-                return load.worker_id
-        return None
-
-
-@ROUTERS.register("least_work")
-class LeastWorkRouter(Router):
-    """Least outstanding work: tokens still to prefill plus (predicted) tokens to decode."""
-
-    name = "least_work"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.work: dict[int, int] = {}
-        self._charged: dict[str, tuple[int, int]] = {}
-
-    @staticmethod
-    def estimate(request: Request) -> int:
-        return request.num_tokens_to_compute + request.remaining_output_estimate
-
-    def select(self, request: Request, loads: Sequence[WorkerLoad], now: float) -> int | None:
-        ids = healthy_ids(loads)
-        if not ids:
-            return None
-        best = min(ids, key=lambda w: (self.work.get(w, 0), w))
-        cost = self.estimate(request)
-        self.work[best] = self.work.get(best, 0) + cost
-        self._charged[request.request_id] = (best, cost)
-        return best
-
-    def on_request_left(self, request: Request, worker_id: int, now: float) -> None:
-        charged = self._charged.pop(request.request_id, None)
-        if charged is not None:
-            self.work[charged[0]] -= charged[1]

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request
-from scheduler_service.policies.econoserve_queues import GTQueue, TaskState
+from scheduler_service.policies.econoserve.queues import GTQueue, TaskState
 
 if TYPE_CHECKING:
     from scheduler_service.core.step_builder import StepBuilder

@@ -1,4 +1,4 @@
-"""Routers beyond round robin and least work: `max_min`, `kv_aware` and `scls`.
+"""SCLS's routers: `max_min` and `scls` (the batcher and the offloader).
 
 `max_min` (SCLS's offloader, seed 002 section 4.5, per request): each request goes to the
 worker with the least estimated serving time queued; load += its estimate, and the
@@ -7,10 +7,6 @@ arrive, so the "longest first" order of max-min only matters inside the `scls` r
 which places whole batches at once. Estimates come from the SCLS serving-time estimator
 fitted to the cost model, T_serve(1, tokens so far, predicted tokens left); without a cost
 model they are tokens (prompt + predicted output), like `least_work`.
-
-`kv_aware`: the worker with the most free KV blocks once its waiting queue is admitted
-(free blocks minus its waiting requests times the mean prompt blocks it was sent);
-ties go to the worker with fewer running requests.
 
 `scls` (seed 002, sections 4.4 to 4.6): the batcher and offloader. `select` holds every
 request in the pool (`self.held`); at each pool interval `release` splits the pool with
@@ -22,23 +18,30 @@ a batch's estimate when its last member leaves. Ablations (section 5.4, `variant
 `pm` (DP capped at `pm_batch` rows, round robin, fixed interval Gamma), `ab` (the full DP,
 round robin, fixed interval), `lb` (+ max-min), `full` (+ adaptive interval); SO is the
 round-robin router with the `scls` policy forming its own FCFS batches.
-Options: `scls:variant=full,slice_len=128,xi=0.5,gamma_s=3,zeta=0.9,pm_batch=16,max_batch=0`.
+Long prompts (`max_prefill_share`, 0.5): every slice re-prefills its batch's prompts and
+generated tokens, which the paper's S = 128 amortises over short prompts only (a padded
+100k-token prefill takes seconds, 128 decodes of it well under one). A batch whose prefill,
+priced by the cost model, would take more than this share of its slice gets a longer slice,
+as far as its KV fits (Eq. 9); 0 keeps the paper's fixed S.
+Options: `scls:variant=full,slice_len=128,xi=0.5,gamma_s=3,zeta=0.9,pm_batch=16,max_batch=0,
+max_prefill_share=0.5`.
 
-Importing `scheduler_service.policies` imports this module, which registers the three.
+Importing `scheduler_service.policies` imports this module, which registers the two.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from itertools import count
 
 from scheduler_service.core.request import Request
-from scheduler_service.policies import scls  # noqa: F401  (registers the worker side with its router)
-from scheduler_service.policies.scls_batcher import MaxMinOffloader, PlannedBatch, dp_batches, slice_tag
-from scheduler_service.policies.scls_estimator import MemoryEstimator, ServingTimeEstimator
-from scheduler_service.router import ROUTERS, Router, RouterContext, WorkerLoad, healthy_ids
+from scheduler_service.policies.scls.batcher import MaxMinOffloader, PlannedBatch, dp_batches, slice_tag
+from scheduler_service.policies.scls.estimator import MemoryEstimator, ServingTimeEstimator
+from scheduler_service.routers import ROUTERS, Router, RouterContext, WorkerLoad, healthy_ids
+from sluice.common.config import config_from_options
+from sluice.contract.profile import BatchShape
 
 VARIANTS = ("pm", "ab", "lb", "full")
 
@@ -86,47 +89,6 @@ class MaxMinRouter(Router):
             self.offloader.finish(*charged)
 
 
-@ROUTERS.register("kv_aware")
-class KVAwareRouter(Router):
-    name = "kv_aware"
-
-    def __init__(self, block_size: int = 16) -> None:
-        super().__init__()
-        self.block_size = block_size
-        self._sent: dict[int, list[int]] = {}  # worker -> [requests on it, their prompt blocks]
-        self._placed: dict[str, tuple[int, int]] = {}
-
-    @classmethod
-    def create(cls, options: dict[str, str], ctx: RouterContext) -> Router:
-        if options:
-            raise ValueError(f"router 'kv_aware' takes no options, got {sorted(options)}")
-        return cls(ctx.block_size)
-
-    def effective_free(self, load: WorkerLoad) -> float:
-        n, blocks = self._sent.get(load.worker_id, (0, 0))
-        mean_blocks = blocks / n if n else 0.0
-        return load.free_gpu_blocks - load.num_waiting * mean_blocks
-
-    def select(self, request: Request, loads: Sequence[WorkerLoad], now: float) -> int | None:
-        healthy = [w for w in loads if w.healthy]
-        if not healthy:
-            return None
-        best = max(healthy, key=lambda w: (self.effective_free(w), -w.num_running, -w.worker_id))
-        blocks = -(-request.num_tokens // self.block_size)
-        sent = self._sent.setdefault(best.worker_id, [0, 0])
-        sent[0] += 1
-        sent[1] += blocks
-        self._placed[request.request_id] = (best.worker_id, blocks)
-        return best.worker_id
-
-    def on_request_left(self, request: Request, worker_id: int, now: float) -> None:
-        placed = self._placed.pop(request.request_id, None)
-        if placed is not None:
-            sent = self._sent[placed[0]]
-            sent[0] -= 1
-            sent[1] -= placed[1]
-
-
 @dataclass
 class SCLSRouterConfig:
     variant: str = "full"  # pm | ab | lb | full (section 5.4 ablations)
@@ -136,17 +98,11 @@ class SCLSRouterConfig:
     zeta: float = 0.9  # share of the KV cache a batch may plan to use (Eq. 9)
     pm_batch: int = 16  # PM's fixed batch-size cap
     max_batch: int = 0  # rows per batch; 0 = the workers' max_num_seqs
+    max_prefill_share: float = 0.5  # longer slices for batches whose prefill takes more of a slice; 0: fixed S
 
     @classmethod
     def from_options(cls, options: dict[str, str]) -> SCLSRouterConfig:
-        defaults = cls()
-        known = {f.name for f in fields(cls)}
-        values: dict[str, object] = {}
-        for key, raw in options.items():
-            if key not in known:
-                raise ValueError(f"router 'scls' has no option {key!r}; known: {', '.join(sorted(known))}")
-            values[key] = type(getattr(defaults, key))(raw)
-        config = cls(**values)  # type: ignore[arg-type]
+        config = config_from_options(cls, options, "router 'scls'")
         if config.variant not in VARIANTS:
             raise ValueError(f"scls variant must be one of {VARIANTS}, got {config.variant!r}")
         return config
@@ -219,6 +175,19 @@ class SCLSRouter(Router):
         blocks = min((w.total_gpu_blocks for w in loads if w.healthy), default=self.ctx.num_gpu_blocks)
         return MemoryEstimator(blocks * self.ctx.block_size, self.ctx.block_size, self.config.zeta)
 
+    def batch_slice_len(self, rows: int, length: int) -> int:
+        """S, or longer where the batch's padded prefill would take more than
+        `max_prefill_share` of the slice (prefill vs decodes priced by the cost model), within
+        the KV the memory check allows for the batch."""
+        s, share, cm = self.config.slice_len, self.config.max_prefill_share, self.ctx.cost_model
+        if share <= 0 or cm is None:
+            return s
+        prefill = cm.iteration_time(BatchShape(prefill_chunks=[(length, 0)] * rows))
+        decode = cm.decode_time(rows, length)
+        wanted = min(math.ceil(prefill * (1 - share) / share / decode), self.ctx.max_model_len - length)
+        room = int(self.config.zeta * self.ctx.num_gpu_blocks * self.ctx.block_size) // rows - length
+        return max(s, min(wanted, room))
+
     def _offload(
         self, pending: Sequence[Request], batches: list[PlannedBatch], workers: list[int]
     ) -> list[tuple[Request, int]]:
@@ -235,10 +204,11 @@ class SCLSRouter(Router):
         out: list[tuple[Request, int]] = []
         for batch, worker in zip(batches, targets, strict=True):
             batch.batch_id, batch.worker_id, batch.remaining = next(self._ids), worker, len(batch.members)
+            slice_len = self.batch_slice_len(len(batch.members), batch.padded_len)
             for idx in batch.members:
                 req = pending[idx]
                 tag = slice_tag(req.policy_state)
-                tag.batch_id, tag.slice_len = batch.batch_id, self.config.slice_len
+                tag.batch_id, tag.slice_len = batch.batch_id, slice_len
                 req.policy_state = tag
                 self._batch_of[req.request_id] = batch
                 out.append((req, worker))

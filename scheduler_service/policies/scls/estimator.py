@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler_service.costmodel.base import BatchShape, CostModel
+from scheduler_service.costmodel.base import CostModel
+from sluice.contract.profile import BatchShape
 
 _FIT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 _FIT_LENGTHS = (16, 64, 128, 256, 512, 768, 1024, 1536, 2048)

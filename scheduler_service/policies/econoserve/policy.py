@@ -42,14 +42,14 @@ from collections import Counter
 from dataclasses import dataclass
 
 from kvstore.accounting import KVCacheManager
-from scheduler_service.core.plan import StepPlan, StepResult
 from scheduler_service.core.policy import POLICIES, Policy, PolicyConfig, PolicyContext
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.costmodel.pivot import pivot_forward_size
-from scheduler_service.policies.econoserve_pipe import KVPipe
-from scheduler_service.policies.econoserve_queues import GTQueue, OrderingConfig, PTQueue, TaskState, ordering_key
+from scheduler_service.policies.econoserve.pipe import KVPipe
+from scheduler_service.policies.econoserve.queues import GTQueue, OrderingConfig, PTQueue, TaskState, ordering_key
+from sluice.contract.plan import StepPlan, StepResult
 
 RESERVE = "econoserve"
 VARIANTS = {

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_service.core.plan import StepPlan, StepResult
 from scheduler_service.core.policy import POLICIES, PolicyContext
 from scheduler_service.core.request import Request
-from scheduler_service.policies.alise_queues import JobState, QueuePolicy, QueuePolicyConfig, Rank
+from scheduler_service.policies.mlfq import JobState, QueuePolicy, QueuePolicyConfig, Rank
+from sluice.contract.plan import StepPlan, StepResult
 
 # NOTE: without a cost model (unit tests) a prompt token is priced at this many seconds.
 DEFAULT_PREFILL_S_PER_TOKEN = 2e-4

@@ -39,13 +39,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler_service.core.plan import StepPlan, StepResult
 from scheduler_service.core.policy import POLICIES, PolicyContext
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.costmodel.base import CostModel
-from scheduler_service.policies.alise_queues import JobState, MemoryMode, QueuePolicy, QueuePolicyConfig, Rank
+from scheduler_service.policies.mlfq import JobState, MemoryMode, QueuePolicy, QueuePolicyConfig, Rank
+from sluice.contract.plan import StepPlan, StepResult
 
 # NOTE: used only when there is no cost model to fit (unit tests): a 7B-class model on an A100.
 DEFAULT_T0_S = 2e-4
@@ -115,9 +115,12 @@ class AlisePolicy(QueuePolicy):
         self.model = build_exec_model(config, ctx)
         self.level_base_s = self.model.decode(256, config.level_base_tokens)
         self.age_s = config.age_threshold_s if config.age_threshold_s is not None else 16 * self.level_base_s
-        # NOTE: the policy's option decides whether swapped KV is int8 (the step builder reads it here).
-        ctx.extras["int8_swap"] = config.int8
         self._aging: list[tuple[float, int, Request]] = []
+
+    @property
+    def int8_swap(self) -> bool:
+        """ALISE's own option decides whether its swapped KV is int8 (section 3.3)."""
+        return self.config.int8
 
     # ------------------------------------------------------------------ estimates
     def remaining_time(self, req: Request) -> float:
@@ -158,6 +161,14 @@ class AlisePolicy(QueuePolicy):
         self.jobs[request.request_id] = request
         self.requeue(request)
         heapq.heappush(self._aging, (now + self.age_s, st.seq, request))
+
+    def on_prediction(self, request: Request, now: float) -> None:
+        """A later prediction: the job's remaining time and, while it waits without KV, its queue."""
+        st: JobState = request.policy_state
+        st.predicted = max(1, request.predicted_output_tokens or request.max_tokens)
+        if request.status.is_waiting:
+            st.level = self.level_for(self.remaining_time(request))
+            self.requeue(request)
 
     def on_step_result(self, plan: StepPlan, result: StepResult, now: float) -> None:
         jobs = self.jobs
@@ -226,7 +237,9 @@ class AlisePolicy(QueuePolicy):
                 if slots > 0:
                     if req.status is RequestStatus.PREEMPTED_SWAPPED:
                         self._swap_in_early(step, req)
-                elif req.status is RequestStatus.PREEMPTED_KEPT:
+                elif req.status is RequestStatus.PREEMPTED_KEPT and self.can_swap_out(step, req):
+                    # NOTE: a proactive swap-out the swap space cannot take is skipped (the job
+                    # stays paused on the GPU), never turned into a recompute.
                     step.preempt(req, PreemptionMode.SWAP, PreemptionReason.PRIORITY)
                 slots -= 1
             # NOTE: the paper's M -= len(q); the queue's waiting jobs count too (they are

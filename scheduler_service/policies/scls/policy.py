@@ -3,7 +3,7 @@
 Why choose it: static-batching engines (no continuous batching) serving mixed lengths on
 many workers; slices bound each batch's serving time and memory, so batches can be
 large, padding small and workers balanced. Pair it with the `scls` router (the adaptive
-batcher, max-min offloader and adaptive pool interval, `scheduler_service/routers_extra.py`).
+batcher, max-min offloader and adaptive pool interval, `policies/scls/router.py`).
 
 What it does (static, the paper's main design): the worker serves one batch at a time
 for at most S iterations (the prefill yields the first token, then S-1 decodes), every
@@ -41,7 +41,7 @@ from scheduler_service.core.policy import POLICIES, Policy, PolicyConfig, Policy
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request
 from scheduler_service.core.step_builder import StepBuilder
-from scheduler_service.policies.scls_batcher import SliceTag, slice_tag
+from scheduler_service.policies.scls.batcher import SliceTag, slice_tag
 
 
 @dataclass

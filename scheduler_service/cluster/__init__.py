@@ -1,0 +1,23 @@
+"""The cluster: every worker's scheduler under one router, built from one ClusterSpec and
+driven by the simulator, the live service and the benchmarks through the same methods.
+
+    spec.py      ClusterSpec, WorkerSpec
+    lengths.py   length sources (max_tokens, oracle, noisy_oracle, given, table)
+    build.py     build_cluster(spec) -> Cluster
+    cluster.py   Cluster: submit, plan_step, complete_step, abort, finish, mark_down/up, pop_ended
+"""
+
+from scheduler_service.cluster.build import build_cluster
+from scheduler_service.cluster.cluster import Cluster
+from scheduler_service.cluster.lengths import LengthSource, TableLengths, build_length_source
+from scheduler_service.cluster.spec import ClusterSpec, WorkerSpec
+
+__all__ = [
+    "Cluster",
+    "ClusterSpec",
+    "LengthSource",
+    "TableLengths",
+    "WorkerSpec",
+    "build_cluster",
+    "build_length_source",
+]

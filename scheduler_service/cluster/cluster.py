@@ -1,0 +1,254 @@
+"""Cluster: the workers' schedulers under one router, and the one way any driver moves them.
+A driver (the simulator's event loop, a live worker loop, a benchmark) is only a clock plus
+an executor:
+
+    cluster.submit(request, now)          length source, router: a worker's queue or the pool
+    cluster.release_held(now)             the router places what it held (global batching)
+    plan = cluster.plan_step(worker, now) the policy decides; None when nothing is to run
+    ... the executor runs the plan (cost model, or a worker over gRPC) ...
+    out = cluster.complete_step(worker, result, now)     tokens appended, stops checked
+    cluster.abort(id, now) / cluster.finish(id, status, now)   a client or a stop string
+    cluster.mark_down(worker, now) / mark_up(worker, now)      a lost worker's requests move
+    cluster.pop_ended()                   every request that ended since the last call
+
+Requests that leave a worker unfinished (a policy returned them, their worker died) go back
+through the router. Every request that ends after its submission was accepted comes out of
+`pop_ended` exactly once: finished, aborted, timed out, or rejected on re-routing. Nothing
+outside this class touches the router's pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from kvstore.accounting import KVAccounting
+from scheduler_service.cluster.spec import ClusterSpec
+from scheduler_service.core.metrics import MetricsRecorder
+from scheduler_service.core.preemption import RejectReason
+from scheduler_service.core.prefix import block_hashes
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.scheduler import Scheduler, StepOutputs
+from scheduler_service.routers import Router, WorkerLoad
+from sluice.contract.plan import StepPlan, StepResult
+
+
+class Cluster:
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        schedulers: list[Scheduler],
+        router: Router,
+        kv: KVAccounting,
+        metrics: MetricsRecorder,
+        timer: Callable[[], float] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.schedulers = {s.worker_id: s for s in schedulers}
+        self.kv = kv
+        self.metrics = metrics
+        self.healthy = {s.worker_id: True for s in schedulers}  # read it; change it with mark_down/mark_up
+        self._router = router
+        self._timer = timer
+        self._ended: list[Request] = []
+
+    # ------------------------------------------------------------------ intake
+    def submit(self, request: Request, now: float) -> RejectReason | None:
+        """Places a new request (or holds it in the router's pool); a reason when refused."""
+        self.spec.length_source.assign(request)
+        return self._route(request, now)
+
+    def release_held(self, now: float) -> None:
+        for request, worker in self._router.release(self.loads(), now):
+            self._place_or_end(request, worker, now)
+
+    # ------------------------------------------------------------------ one step
+    def plan_step(self, worker: int, now: float) -> StepPlan | None:
+        """The worker's next plan; None when nothing is to run (answered here)."""
+        sched = self.schedulers[worker]
+        timer = self._timer
+        start = timer() if timer is not None else 0.0
+        plan = sched.schedule(now)
+        if timer is not None:
+            self.metrics.on_schedule_overhead(timer() - start)
+        self._settle(worker, sched.pop_finished(), now)
+        if plan.is_empty:
+            sched.on_step_result(StepResult(plan.step_id, {}, 0.0), now)
+            return None
+        return plan
+
+    def complete_step(self, worker: int, result: StepResult, now: float) -> StepOutputs:
+        out = self.schedulers[worker].on_step_result(result, now)
+        self._settle(worker, out.finished, now)
+        return out
+
+    # ------------------------------------------------------------------ outside events
+    def abort(self, request_id: str, now: float, message: str = "aborted") -> bool:
+        """Ends an unfinished request wherever it is (a worker's sets or the router's pool);
+        its blocks are free at once and its worker is told next step."""
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED, now, message)
+
+    def finish(self, request_id: str, status: RequestStatus, now: float, message: str = "") -> bool:
+        """Ends a request for a reason found outside the core (an abort, a stop string in the text)."""
+        for worker, sched in self.schedulers.items():
+            if sched.finish(request_id, status, now, message):
+                self._settle(worker, sched.pop_finished(), now)
+                return True
+        held = self._router.held
+        for i, request in enumerate(held):
+            if request.request_id == request_id:
+                del held[i]
+                request.status = status
+                request.finish_time = now
+                request.finish_message = message
+                self.metrics.on_finish(request, now)
+                self._ended.append(request)
+                return True
+        return False
+
+    def update_prediction(self, request_id: str, tokens: int, source: str, now: float) -> bool:
+        """A predicted output length that arrived after the request was submitted: applied
+        wherever the request is (a worker's policy re-files it; in the router's pool it is read
+        when the request is placed). False when the request has already ended."""
+        if any(s.update_prediction(request_id, tokens, source, now) for s in self.schedulers.values()):
+            return True
+        for request in self._router.held:
+            if request.request_id == request_id:
+                request.predicted_output_tokens = max(1, min(tokens, request.max_tokens))
+                request.length_source = source
+                return True
+        return False
+
+    def mark_down(self, worker: int, now: float) -> list[Request]:
+        """A worker died: its requests go to the others (recompute) and still finish."""
+        self.healthy[worker] = False
+        moved = self.schedulers[worker].evacuate(now)
+        for request in moved:
+            self._router.on_request_left(request, worker, now)
+            if self._route(request, now) is not None:
+                self._ended.append(request)
+        return moved
+
+    def mark_up(self, worker: int, now: float) -> None:
+        self.healthy[worker] = True
+        self.release_held(now)
+
+    def reject_leftovers(self, now: float) -> None:
+        """Requests no policy could ever place (e.g. more KV than a worker has) end as
+        rejected, so every request of a trace is accounted for (the simulator's last sweep)."""
+        for worker, sched in self.schedulers.items():
+            for rid in list(sched.requests):
+                sched.finish(rid, RequestStatus.FINISHED_REJECTED, now, "unschedulable: never fit this worker")
+            self._settle(worker, sched.pop_finished(), now)
+        for request in self._router.held:
+            request.status = RequestStatus.FINISHED_REJECTED
+            self.metrics.on_reject(request, RejectReason.UNSCHEDULABLE, now)
+            self._ended.append(request)
+        self._router.held.clear()
+
+    def pop_ended(self) -> list[Request]:
+        ended, self._ended = self._ended, []
+        return ended
+
+    # ------------------------------------------------------------------ queries
+    def loads(self, request: Request | None = None) -> list[WorkerLoad]:
+        """Each worker's load; with `request` (for a router that wants it), also how many of
+        its tokens the worker's prefix cache holds and the tokens its queue has to compute."""
+        loads = [
+            WorkerLoad(
+                worker_id=w,
+                healthy=self.healthy[w],
+                num_waiting=len(s.waiting),
+                num_running=len(s.running),
+                free_gpu_blocks=s.kv.gpu.num_free,
+                total_gpu_blocks=s.kv.gpu.num_blocks,
+            )
+            for w, s in self.schedulers.items()
+        ]
+        if request is not None:
+            # NOTE: O(workers x (request blocks + waiting requests)) per routed request; only
+            # the prefix-aware router asks for it.
+            for load in loads:
+                sched = self.schedulers[load.worker_id]
+                if load.healthy:
+                    load.cached_tokens = self._cached_tokens(sched, request)
+                    load.waiting_tokens = sum(r.num_tokens_to_compute for r in sched.waiting.values())
+        return loads
+
+    @staticmethod
+    def _cached_tokens(sched: Scheduler, request: Request) -> int:
+        kv = sched.kv
+        if not kv.prefix_caching:
+            return 0
+        limit = (request.num_tokens - 1) // kv.block_size
+        return len(kv.lookup_prefix(block_hashes(request, kv.block_size, limit))) * kv.block_size
+
+    def next_wakeup(self, now: float, workers: Iterable[int]) -> float | None:
+        """When the router or one of these workers' policies wants a step even if nothing
+        else happens (e.g. a policy holds requests back until then)."""
+        times = [self._router.next_release(now)] + [self.schedulers[w].policy.next_wakeup(now) for w in workers]
+        due = [t for t in times if t is not None]
+        return min(due) if due else None
+
+    def has_work(self, worker: int) -> bool:
+        return self.schedulers[worker].has_work
+
+    @property
+    def any_healthy(self) -> bool:
+        return any(self.healthy.values())
+
+    @property
+    def num_held(self) -> int:
+        return len(self._router.held)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(s.waiting) for s in self.schedulers.values()) + self.num_held
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(s.num_unfinished for s in self.schedulers.values()) + self.num_held
+
+    @property
+    def router(self) -> Router:
+        """The router, for reading its state (reports, tests); it is changed only through this class."""
+        return self._router
+
+    # ------------------------------------------------------------------ internals
+    def _route(self, request: Request, now: float) -> RejectReason | None:
+        router = self._router
+        worker = router.select(request, self.loads(request if router.wants_prefix_match else None), now)
+        if worker is None:
+            if not self.any_healthy:
+                return self._reject(request, RejectReason.NO_WORKER, now)
+            self._router.held.append(request)
+            return None
+        return self._place(request, worker, now)
+
+    def _place(self, request: Request, worker: int, now: float) -> RejectReason | None:
+        reason = self.schedulers[worker].add_request(request, now)
+        if reason is not None:
+            self._router.on_request_left(request, worker, now)
+        return reason
+
+    def _place_or_end(self, request: Request, worker: int, now: float) -> None:
+        if self._place(request, worker, now) is not None:
+            self._ended.append(request)
+
+    def _reject(self, request: Request, reason: RejectReason, now: float) -> RejectReason:
+        request.status = RequestStatus.FINISHED_REJECTED
+        request.finish_time = now
+        request.finish_message = str(reason)
+        self.metrics.on_reject(request, reason, now)
+        return reason
+
+    def _settle(self, worker: int, finished: list[Request], now: float) -> None:
+        """Finished requests leave the router's books; requests the policy handed back are
+        placed again (possibly on another worker)."""
+        router = self._router
+        for request in finished:
+            router.on_request_left(request, worker, now)
+        self._ended += finished
+        for request in self.schedulers[worker].pop_returned():
+            router.on_request_left(request, worker, now)
+            if self._route(request, now) is not None:
+                self._ended.append(request)

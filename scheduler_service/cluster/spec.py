@@ -1,0 +1,99 @@
+"""ClusterSpec: everything that defines a cluster of workers' schedulers, in one value.
+
+The simulator builds one from its config and the cost model's KV arithmetic; the live
+scheduler builds one from its config and what each worker's Info and Warmup answered; the
+benchmarks build them directly. `build_cluster` (cluster/build.py) turns any of them into
+the same objects, so every policy sees the same `PolicyContext` fields live and simulated.
+
+    policy, router              registered names with options ("sarathi:budget=512")
+    workers                     one WorkerSpec each: KV blocks on GPU and CPU, block size, role
+    cost_model                  prices steps for the policies and routers that plan in time
+    max_model_len, limits       context length, sequences and tokens per step, queue bound
+    tbt_slo_s                   the deployment's TBT SLO (sarathi's budget, AccelGen's pivot)
+    int8_swap                   swapped KV is int8-compressed
+    prefix_caching              computed full blocks are cached by prefix hash and shared
+    length_source               where predicted output lengths come from (cluster/lengths.py)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_service.cluster.lengths import LengthSource, MaxTokensLengths
+from scheduler_service.core.policy import PolicyContext
+from scheduler_service.core.scheduler import SchedulerConfig
+from scheduler_service.costmodel.base import CostModel
+from scheduler_service.routers import RouterContext
+from sluice.contract.limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, token_budget
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    role: str = "mixed"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    policy: str
+    workers: tuple[WorkerSpec, ...]
+    cost_model: CostModel
+    max_model_len: int
+    router: str = "round_robin"
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None  # None: contract.limits.token_budget
+    max_waiting: int = 100_000
+    queue_timeout_s: float | None = None
+    tbt_slo_s: float | None = None
+    int8_swap: bool = False
+    length_source: LengthSource = field(default_factory=MaxTokensLengths)
+    prefix_caching: bool = True  # automatic prefix caching in every worker's KV accounting
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("a cluster needs at least one worker")
+        if len({w.block_size for w in self.workers}) > 1:
+            raise ValueError(f"workers have different block sizes: {sorted({w.block_size for w in self.workers})}")
+
+    @property
+    def block_size(self) -> int:
+        return self.workers[0].block_size
+
+    @property
+    def step_token_budget(self) -> int:
+        return token_budget(self.max_num_batched_tokens, self.max_model_len)
+
+    def policy_context(self, worker_id: int) -> PolicyContext:
+        worker = self.workers[worker_id]
+        return PolicyContext(
+            worker_id=worker_id,
+            block_size=worker.block_size,
+            num_gpu_blocks=worker.num_gpu_blocks,
+            num_cpu_blocks=worker.num_cpu_blocks,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.step_token_budget,
+            cost_model=self.cost_model,
+            tbt_slo_s=self.tbt_slo_s,
+            int8_swap=self.int8_swap,
+        )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.step_token_budget,
+            max_model_len=self.max_model_len,
+            max_waiting=self.max_waiting,
+            queue_timeout_s=self.queue_timeout_s,
+        )
+
+    def router_context(self) -> RouterContext:
+        return RouterContext(
+            block_size=self.block_size,
+            num_gpu_blocks=min(w.num_gpu_blocks for w in self.workers),
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            cost_model=self.cost_model,
+        )

@@ -1,0 +1,128 @@
+"""Block hashes: what identifies a request's full KV blocks for automatic prefix caching.
+
+Block j of a request (tokens [j*B, (j+1)*B) of prompt + generated) is named by a hash
+chained over everything before it, so two requests share block j exactly when they share
+every token up to its end (vLLM's block hashes, SGLang's radix path at block granularity):
+
+    h_0 = H(ROOT, tokens[0:B])      h_j = H(h_{j-1}, tokens[j*B:(j+1)*B])
+
+What "tokens" means depends on what the request knows:
+
+    token ids (live, and traces with text)   the ids themselves: blake2b-128 over parent and ids,
+                                             so a crafted prompt cannot collide with another's prefix
+    Mooncake hash_ids (trace, no text)       one id per `trace_block_tokens` (512) tokens; block j
+                                             is named by the ids of the trace blocks it overlaps
+                                             and its index, so 32 of our 16-token blocks map onto
+                                             one trace block
+    nothing (synthetic lengths, outputs of   a salt unique to the request: its blocks are reused only
+    a simulated request)                     by itself (after a recompute preemption, or a slice)
+
+Hashes are computed once per request, lazily up to the blocks asked for, and kept on the
+request (`Request.block_hashes`); `block_hashes(req, block_size, n)` extends them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+ROOT_HASH = 0x5EED_0F_B10C_4A5E  # the parent of every request's first block
+_TRACE, _SALTED = 1, 2  # payload tags, so the three kinds of block can never name each other
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixSource:
+    """A simulated request's block identity when its token ids are not the whole story."""
+
+    trace_hash_ids: tuple[int, ...] = ()  # Mooncake `hash_ids`, one per trace block of the prompt
+    trace_block_tokens: int = 512
+    output_token_ids: tuple[int, ...] | None = None  # the reference answer (a multi-turn trace's next prompt holds it)
+
+
+class Request(Protocol):
+    """What hashing reads and keeps on a request (core/request.py's Request; a Protocol, so
+    that the request module can import this one)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    prompt_token_ids: Sequence[int] | None
+    output_token_ids: list[int]
+    prefix_source: PrefixSource | None
+    prefix_salt: int | None
+    block_hashes: list[int] | None
+
+
+def request_salt(request_id: str) -> int:
+    """A per-request constant (deterministic across processes, unlike `hash(str)`)."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+
+
+def hash_token_block(parent: int, token_ids: Sequence[int]) -> int:
+    digest = hashlib.blake2b(parent.to_bytes(16, "little"), digest_size=16)
+    digest.update(array("i", token_ids).tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def block_hashes(req: Request, block_size: int, num_blocks: int) -> list[int]:
+    """The request's first `num_blocks` block hashes (fewer if fewer of its blocks are full)."""
+    hashes = req.block_hashes
+    if hashes is None:
+        hashes = req.block_hashes = []
+    upto = min(num_blocks, (req.num_prompt_tokens + req.num_output_tokens) // block_size)
+    if len(hashes) >= upto:
+        return hashes
+    parent = hashes[-1] if hashes else ROOT_HASH
+    src = req.prefix_source
+    for j in range(len(hashes), upto):
+        parent = _hash_block(req, src, j, block_size, parent)
+        hashes.append(parent)
+    return hashes
+
+
+def _hash_block(req: Request, src: PrefixSource | None, j: int, size: int, parent: int) -> int:
+    start, end, prompt = j * size, (j + 1) * size, req.num_prompt_tokens
+    if src is None:
+        tokens = _known_tokens(req, start, end)
+        return hash_token_block(parent, tokens) if tokens is not None else _salted(req, parent, j)
+    if end <= prompt:
+        if req.prompt_token_ids is not None:
+            return hash_token_block(parent, req.prompt_token_ids[start:end])
+        ids, per = src.trace_hash_ids, src.trace_block_tokens
+        last = (end - 1) // per
+        if last < len(ids):
+            return hash((parent, _TRACE, ids[start // per], ids[last], j))
+        return _salted(req, parent, j)
+    tokens = _reference_tokens(req, src, start, end)
+    return hash_token_block(parent, tokens) if tokens is not None else _salted(req, parent, j)
+
+
+def _known_tokens(req: Request, start: int, end: int) -> list[int] | None:
+    """Live requests: prompt ids then the ids generated so far."""
+    prompt_ids = req.prompt_token_ids
+    if prompt_ids is None:
+        return None
+    prompt = req.num_prompt_tokens
+    if end <= prompt:
+        return list(prompt_ids[start:end])
+    head = list(prompt_ids[start:prompt]) if start < prompt else []
+    return head + req.output_token_ids[max(0, start - prompt) : end - prompt]
+
+
+def _reference_tokens(req: Request, src: PrefixSource, start: int, end: int) -> list[int] | None:
+    """Simulated requests past their prompt: the trace's reference answer, when it has one."""
+    out = src.output_token_ids
+    prompt = req.num_prompt_tokens
+    if out is None or req.prompt_token_ids is None or end - prompt > len(out):
+        return None
+    head = list(req.prompt_token_ids[start:prompt]) if start < prompt else []
+    return head + list(out[max(0, start - prompt) : end - prompt])
+
+
+def _salted(req: Request, parent: int, j: int) -> int:
+    if req.prefix_salt is None:
+        req.prefix_salt = request_salt(req.request_id)
+    return hash((parent, _SALTED, req.prefix_salt, j))
