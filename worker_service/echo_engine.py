@@ -21,8 +21,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from scheduler_service.core.plan import StepPlan, StepResult
+import torch
+
+from sluice.contract.plan import StepPlan, StepResult
 from worker_service.engine import EngineConfig, EngineInfo, KVCapacity
+from worker_service.hardware import HardwareInfo, describe_hardware
 from worker_service.model import resolve_config
 from worker_service.plan_check import BookEntry, PlanBook, StepPlanError
 
@@ -57,21 +60,22 @@ class EchoEngine:
     # -- the LLMEngine surface the worker server uses ------------------------------------
     @property
     def info(self) -> EngineInfo:
-        c = self.model_config
-        return EngineInfo(
-            model=self.config.model,
-            family=f"{c.family} (echo)",
+        return EngineInfo.describe(
+            self.config,
+            self.model_config,
+            family=f"{self.model_config.family} (echo)",
             dtype="none",
+            dtype_bytes=2,
             device="cpu",
-            block_size=self.config.block_size,
             max_model_len=self.max_model_len,
-            vocab_size=c.vocab_size,
-            eos_token_ids=tuple(c.eos_token_ids),
-            num_layers=c.num_layers,
-            num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
+            eos_token_ids=self.model_config.eos_token_ids,
             bytes_per_block=self.spec.bytes_per_block,
         )
+
+    @property
+    def hardware(self) -> HardwareInfo:
+        """The CPU it answers on (the scheduler's cost model needs some hardware to price with)."""
+        return describe_hardware(torch.device("cpu"), torch.float32)
 
     @property
     def num_requests(self) -> int:
@@ -99,6 +103,9 @@ class EchoEngine:
         if num_gpu_blocks < 1 or num_cpu_blocks < 0:
             raise ValueError(f"need >= 1 GPU block and >= 0 CPU blocks, got {num_gpu_blocks}, {num_cpu_blocks}")
         self.book.reset(num_gpu_blocks, num_cpu_blocks)
+
+    def warm_up(self) -> None:
+        """Nothing to compile or capture."""
 
     def release(self, request_ids: Iterable[str]) -> list[str]:
         return self.book.release(request_ids)

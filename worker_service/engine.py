@@ -10,6 +10,15 @@
         sampler                         -> one token per plan.sample_ids; appended to the request
         -> StepResult with measured prepare / swap / forward / sample seconds
 
+The forward pass attends through one of two paths (`EngineConfig.attention`):
+
+    torch    kvstore.paged.PagedAttention: gathers blocks, SDPA (CPU; the CUDA baseline)
+    triton   kvstore.kernel_attention: Triton kernels read the blocks in place (CUDA default);
+             a step of one-token chunks replays a CUDA graph of the layers (cuda_graphs.py)
+
+On CUDA a step waits for the device once, when the sampled tokens come back: metadata goes
+over in non-blocking copies and the timings are CUDA events read after that wait.
+
 The persistent batch is `requests`: request id -> `RequestState`. A request's known tokens
 are its prompt plus every token sampled here (or, after a recompute preemption, resent in
 `prompt_token_ids`); `num_computed_tokens` of them have KV in the cache. A plan advances a
@@ -26,16 +35,25 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from kvstore import paged_kernels
+from kvstore.kernel_attention import KernelPagedAttention, build_kernel_metadata, decode_columns, to_device
 from kvstore.paged import KVCacheSpec, PagedAttention, PagedKVCache, SeqChunk, build_metadata
-from scheduler_service.core.plan import KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
-from scheduler_service.core.sampling import SamplingParams
-from worker_service.model import DenseAttention, load_model, resolve_config, resolve_dtype
+from sluice.common.config import opt
+from sluice.common.tokenizer import Tokenizer
+from sluice.contract.limits import DEFAULT_BLOCK_SIZE
+from sluice.contract.plan import KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
+from sluice.contract.sampling import SamplingParams
+from worker_service.cuda_graphs import DecodeGraphs
+from worker_service.hardware import HardwareInfo, describe_hardware
+from worker_service.model import Attention, DenseAttention, load_model, resolve_config, resolve_dtype
+from worker_service.model.config import ModelConfig
 from worker_service.model.dummy import is_preset
 from worker_service.plan_check import PlanBook, StepPlanError
 from worker_service.sampler import Sampler, SamplingRow
-from worker_service.tokenizer import Tokenizer
+from worker_service.step_clock import StepClock
 
 # Longest single sequence in the activation probe: keeps its attention matrix realistic.
 PROBE_SEQ_LEN = 512
@@ -43,14 +61,17 @@ PROBE_SEQ_LEN = 512
 
 @dataclass
 class EngineConfig:
-    model: str = "tiny-llama"  # dummy preset name, or a local directory with config.json (+ safetensors)
-    load_format: str = "auto"  # "auto" (safetensors if the directory has them), "dummy", "safetensors"
-    dtype: str = "auto"  # auto = float32 on cpu, bfloat16 on cuda; or float32/float16/bfloat16
-    device: str = "cpu"  # "cpu" or "cuda" / "cuda:N"
-    block_size: int = 16
-    seed: int = 0  # dummy-weight seed (and the seed of unseeded sampling)
-    max_model_len: int | None = None  # default from config.json / preset
-    tokenizer: str | None = None  # tokenizer.json; default: the model dir's, else the demo MiniLM one
+    model: str = opt("tiny-llama", "dummy preset name, or a local directory with config.json (+ safetensors)")
+    load_format: str = opt("auto", "auto (safetensors if the directory has them), dummy or safetensors")
+    dtype: str = opt("auto", "auto (float32 on cpu, bfloat16 on cuda), float32, float16 or bfloat16")
+    device: str = opt("cpu", "cpu, cuda or cuda:N")
+    block_size: int = opt(DEFAULT_BLOCK_SIZE, "KV block size in tokens")
+    seed: int = opt(0, "dummy-weight seed (and the seed of unseeded sampling)")
+    max_model_len: int | None = opt(None, "context length; none: from config.json or the preset")
+    tokenizer: str | None = opt(None, "tokenizer.json; none: the model folder's, else the demo MiniLM one")
+    attention: str = opt("auto", "auto (triton on CUDA when Triton imports, torch elsewhere), torch or triton")
+    cuda_graphs: bool = opt(True, "replay decode steps as CUDA graphs (triton attention only)")
+    max_graph_batch: int = opt(256, "largest decode batch captured as a CUDA graph")
 
 
 @dataclass(frozen=True)
@@ -67,6 +88,45 @@ class EngineInfo:
     num_kv_heads: int
     head_dim: int
     bytes_per_block: int  # one block across all layers, K and V, at the cache dtype
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    dtype_bytes: int
+
+    @classmethod
+    def describe(
+        cls,
+        config: EngineConfig,
+        model: ModelConfig,
+        *,
+        family: str,
+        dtype: str,
+        dtype_bytes: int,
+        device: str,
+        max_model_len: int,
+        eos_token_ids: Iterable[int],
+        bytes_per_block: int,
+    ) -> EngineInfo:
+        """The description of an engine serving `model` as `config` says (the torch and the echo
+        engine differ only in the keyword arguments)."""
+        return cls(
+            model=config.model,
+            family=family,
+            dtype=dtype,
+            device=device,
+            block_size=config.block_size,
+            max_model_len=max_model_len,
+            vocab_size=model.vocab_size,
+            eos_token_ids=tuple(eos_token_ids),
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            bytes_per_block=bytes_per_block,
+            hidden_size=model.hidden_size,
+            num_heads=model.num_heads,
+            intermediate_size=model.intermediate_size,
+            dtype_bytes=dtype_bytes,
+        )
 
 
 @dataclass(frozen=True)
@@ -85,8 +145,21 @@ class RequestState:
     num_output_tokens: int
     sampling: SamplingParams
     block_table: list[int] = field(default_factory=list)
+    # block_table as int32, what the kernels' metadata is built from (derived, so not compared)
+    block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32), compare=False, repr=False)
     cpu_block_ids: list[int] = field(default_factory=list)  # where its KV sits while swapped out
     generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HostBatch:
+    """One step's scheduled tokens flattened on the host."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    chunks: list[SeqChunk]
+    sample_rows: list[int]  # rows of the tokens that sample
+    sample_ids: list[str]  # their requests, in the same order
 
 
 class LLMEngine:
@@ -107,7 +180,9 @@ class LLMEngine:
             dtype=self.dtype,
         )
         self.sampler = Sampler(self.eos_token_ids, self.device, config.seed)
+        self.attention = self._attention_backend(config.attention)
         self.cache: PagedKVCache | None = None
+        self.graphs: DecodeGraphs | None = None
         self.requests: dict[str, RequestState] = {}
         self.book = PlanBook(config.block_size, self.max_model_len, self.model_config.vocab_size)
 
@@ -115,21 +190,22 @@ class LLMEngine:
 
     @property
     def info(self) -> EngineInfo:
-        c = self.model_config
-        return EngineInfo(
-            model=self.config.model,
-            family=c.family,
+        return EngineInfo.describe(
+            self.config,
+            self.model_config,
+            family=self.model_config.family,
             dtype=str(self.dtype).removeprefix("torch."),
+            dtype_bytes=self.dtype.itemsize,
             device=str(self.device),
-            block_size=self.config.block_size,
             max_model_len=self.max_model_len,
-            vocab_size=c.vocab_size,
-            eos_token_ids=tuple(self.eos_token_ids),
-            num_layers=c.num_layers,
-            num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
+            eos_token_ids=self.eos_token_ids,
             bytes_per_block=self.spec.bytes_per_block,
         )
+
+    @property
+    def hardware(self) -> HardwareInfo:
+        """What this engine's device can do (measured once per process)."""
+        return describe_hardware(self.device, self.dtype)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -143,10 +219,31 @@ class LLMEngine:
         """(Re)creates the cache; any request held is forgotten, since its KV is gone."""
         if num_gpu_blocks < 1 or num_cpu_blocks < 0:
             raise ValueError(f"need >= 1 GPU block and >= 0 CPU blocks, got {num_gpu_blocks}, {num_cpu_blocks}")
-        self.cache = None
+        self.cache = self.graphs = None
         self.requests.clear()
         self.cache = PagedKVCache(self.spec, num_gpu_blocks, num_cpu_blocks, self.device)
         self.book.reset(num_gpu_blocks, num_cpu_blocks)
+        self.configure_attention(self.config.attention, self.config.cuda_graphs)
+
+    def configure_attention(self, attention: str, cuda_graphs: bool) -> None:
+        """Switches the attention path (and decode graphs) of a live engine; requests are kept."""
+        self.attention = self._attention_backend(attention)
+        self.config.attention, self.config.cuda_graphs = attention, cuda_graphs
+        self.graphs = None
+        if self.cache is not None and self.attention == "triton" and cuda_graphs:
+            self.graphs = DecodeGraphs(self.model, self.cache, self.max_model_len, self.config.max_graph_batch)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compiles the attention kernels and captures every decode graph now (CUDA), so the
+        first live steps of each shape pay for neither. (In inference mode, as `execute`: a
+        graph captured with autograd on would keep activations for a backward pass.)"""
+        if self.attention != "triton":
+            return
+        k_cache, v_cache = self._cache.layer(0)
+        paged_kernels.precompile(k_cache, v_cache, self.model_config.num_heads, self._cache.pad_block)
+        if self.graphs is not None:
+            self.graphs.capture_all()
 
     def measure_kv_capacity(
         self, gpu_memory_utilization: float, swap_space_gib: float, max_num_batched_tokens: int
@@ -181,12 +278,17 @@ class LLMEngine:
         swap_s, swap_bytes = self._apply_moves(plan.kv_moves)
         self.book.commit(staged)
         for rid, entry in staged.states.items():
-            self.requests[rid].block_table = list(entry.gpu)
-            self.requests[rid].cpu_block_ids = list(entry.cpu)
+            state = self.requests[rid]
+            state.block_table, state.cpu_block_ids = list(entry.gpu), list(entry.cpu)
+            state.block_array = np.asarray(entry.gpu, dtype=np.int32)
         t_prepare = time.perf_counter()
         sampled, forward_s, prep2_s, sample_s = self._run_batch(plan)
         self.book.advance(plan, sampled)
-        total_s = self._sync_time() - t_start
+        if self.device.type == "cuda":
+            # NOTE: the compute stream only: a swap-out's device-to-host copies may still run
+            # on the swap stream (later swaps queue behind them there).
+            torch.cuda.current_stream(self.device).synchronize()
+        total_s = time.perf_counter() - t_start
         if plan.kv_moves and self.device.type == "cuda":
             # NOTE: host time only issues the copies; the blocking part is the GPU time
             # between the swap stream's start and its ready event (known after the sync).
@@ -242,58 +344,77 @@ class LLMEngine:
         prepare_s, sample_s)."""
         if not plan.num_scheduled_tokens:
             return {}, 0.0, 0.0, 0.0
-        t0 = time.perf_counter()
+        clock = StepClock(self.device)
         order = list(plan.num_scheduled_tokens.items())
-        input_ids, positions, attn, sample_rows, sample_ids = self._prepare_inputs(order, plan.sample_ids)
-        t1 = self._sync_time()
-        hidden = self.model(input_ids, positions, attn)
-        logits = self.model.compute_logits(hidden[sample_rows]) if sample_ids else None
-        t2 = self._sync_time()
+        batch = self._host_batch(order, plan.sample_ids)
+        clock.mark("prepared")
+        hidden = self._forward(batch)
+        logits = None
+        if batch.sample_ids:
+            rows = to_device(np.asarray(batch.sample_rows, dtype=np.int64), self.device)
+            logits = self.model.compute_logits(hidden[rows])
+        clock.mark("forward")
         for rid, n in order:
             self.requests[rid].num_computed_tokens += n
-        sampled: dict[str, int] = {}
+        tokens = None
         if logits is not None:
-            tokens = self.sampler(logits, [self._sampling_row(rid) for rid in sample_ids])
-            for rid, token in zip(sample_ids, tokens, strict=True):
-                state = self.requests[rid]
-                state.token_ids.append(token)
-                state.num_output_tokens += 1
-                sampled[rid] = token
-        t3 = self._sync_time()
-        return sampled, t2 - t1, t1 - t0, t3 - t2
+            tokens = self.sampler.sample(logits, [self._sampling_row(rid) for rid in batch.sample_ids])
+        clock.mark("sampled")
+        sampled: dict[str, int] = {}
+        for rid, token in zip(batch.sample_ids, [] if tokens is None else tokens.tolist(), strict=True):
+            state = self.requests[rid]
+            state.token_ids.append(token)
+            state.num_output_tokens += 1
+            sampled[rid] = token
+        clock.wait()
+        forward_s, sample_s = clock.seconds("prepared", "forward"), clock.seconds("forward", "sampled")
+        return sampled, forward_s, clock.host_seconds("prepared"), sample_s
 
-    def _prepare_inputs(
-        self, order: list[tuple[str, int]], sample_ids: frozenset[str]
-    ) -> tuple[torch.Tensor, torch.Tensor, PagedAttention, torch.Tensor, list[str]]:
+    def _host_batch(self, order: list[tuple[str, int]], sample_ids: frozenset[str]) -> HostBatch:
         ids: list[int] = []
-        positions: list[int] = []
+        positions: list[np.ndarray] = []
         chunks: list[SeqChunk] = []
         rows: list[int] = []
         sampled: list[str] = []
+        kernels = self.attention == "triton"
         for rid, n in order:
             state = self.requests[rid]
             start = state.num_computed_tokens
             ids.extend(state.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            chunks.append(SeqChunk(start, n, state.block_table))
+            positions.append(np.arange(start, start + n, dtype=np.int64))
+            chunks.append(SeqChunk(start, n, state.block_array if kernels else state.block_table))
             if rid in sample_ids:
                 rows.append(len(ids) - 1)
                 sampled.append(rid)
-        metadata = build_metadata(chunks, self.config.block_size, self.device)
+        return HostBatch(np.asarray(ids, dtype=np.int64), np.concatenate(positions), chunks, rows, sampled)
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        return tensor(ids), tensor(positions), PagedAttention(self._cache, metadata), tensor(rows), sampled
+    def _forward(self, batch: HostBatch) -> torch.Tensor:
+        block_size = self.config.block_size
+        graphs = self.graphs
+        if graphs is not None and len(batch.chunks) <= graphs.max_batch and len(batch.input_ids) == len(batch.chunks):
+            tables, lens, slots = decode_columns(batch.chunks, block_size)
+            return graphs.run(batch.input_ids, batch.positions, slots, tables, lens)
+        attn: Attention
+        if self.attention == "triton":
+            meta = build_kernel_metadata(batch.chunks, block_size, self.device, self.spec.num_kv_heads)
+            attn = KernelPagedAttention(self._cache, meta)
+        else:
+            attn = PagedAttention(self._cache, build_metadata(batch.chunks, block_size, self.device))
+        return self.model(to_device(batch.input_ids, self.device), to_device(batch.positions, self.device), attn)
 
     def _sampling_row(self, rid: str) -> SamplingRow:
         s = self.requests[rid]
         return SamplingRow(s.sampling, s.token_ids, s.num_output_tokens, s.generator)
 
-    def _sync_time(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    def _attention_backend(self, requested: str) -> str:
+        if requested not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown attention {requested!r}; use auto, torch, triton")
+        cuda = self.device.type == "cuda"
+        if requested == "triton" and not (cuda and paged_kernels.available()):
+            raise ValueError("attention 'triton' needs a CUDA device and Triton")
+        if requested == "auto":
+            return "triton" if cuda and paged_kernels.available() else "torch"
+        return requested
 
     # -- setup -------------------------------------------------------------------------------
 

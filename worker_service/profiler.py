@@ -1,12 +1,16 @@
-"""`sluice profile`: measure our own worker's step times and write a WorkerProfile.
+"""Measure our own worker's step times as a WorkerProfile (`sluice profile`, services/profile.py).
 
     ProfileGrid -> grid points -> PlanDriver builds real StepPlans -> engine.execute (timed)
         -> StepSample (BatchShape, median seconds) / SwapSample (direction, bytes, int8)
-        -> WorkerProfile.save(--out) -> fitted cost model, if installed -> MAPE printed
+        -> WorkerProfile (the command saves it and fits the cost model to it)
 
 Every measurement drives the engine with the same `StepPlan`s the scheduler sends, so the
 profile prices what a live step costs: plan checks, input building, forward, sampling.
-Setup steps (prefilling the contexts that decodes then read) run untimed. Each grid point
+Setup steps (prefilling the contexts that decodes then read) run untimed; with
+`declare_context` (the default on CUDA) they are skipped: requests arrive with their context
+already counted as computed, so its blocks hold whatever was there. Attention reads every
+cached position whatever its value, so step times do not change, and an 8B model's grid
+then needs seconds instead of the minutes its prefills would take. Each grid point
 runs `warmup` times untimed, then `repeats` times; its sample is the median. The driver
 owns block ids as the scheduler does (free lists), giving each request blocks for its
 whole planned length up front. A point that does not fit (KV blocks, max_model_len) is
@@ -15,29 +19,28 @@ skipped and reported, so one grid serves a tiny CPU model and a 7B model on a GP
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import torch
 from tqdm import tqdm
 
-from scheduler_service.core.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
-from scheduler_service.core.sampling import SamplingParams
-from scheduler_service.costmodel.base import BatchShape, ModelSpec
-from scheduler_service.costmodel.profile_schema import StepSample, SwapSample, WorkerProfile
-from worker_service.engine import EngineConfig, LLMEngine, StepPlanError
+from sluice.contract.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
+from sluice.contract.profile import BatchShape, ModelSpec, StepSample, SwapSample, WorkerProfile
+from sluice.contract.sampling import SamplingParams
+from worker_service.engine import LLMEngine, StepPlanError
 
 # NOTE: sampling is part of a step's cost (a softmax and a draw over the vocabulary cost as
 # much as a tiny model's forward): profile with what the served requests use. "random" is
 # the API's default (temperature 1.0).
+# Unseeded, as served requests come (a seed gives each request its own generator: one
+# random-number launch per row instead of one for the batch).
 SAMPLING = {
     "greedy": SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True),
-    "random": SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True, seed=0),
+    "random": SamplingParams(temperature=1.0, max_tokens=1 << 20, ignore_eos=True),
 }
 _MAX_SETUP_TOKENS = 2048  # setup prefills run in steps no larger than a live step
 
@@ -76,6 +79,15 @@ QUICK_GRID = ProfileGrid(
     repeats=3,
     warmup=1,
 )
+# Real shapes on a GPU (an 8B model at 8k context): what does not fit the memory or the
+# model's length is skipped.
+GPU_GRID = ProfileGrid(
+    prefill=tuple((c, p) for c in (64, 128, 256, 512, 1024, 2048, 4096) for p in (0, 512, 2048, 6144)),
+    decode_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    decode_contexts=(512, 1024, 2048, 4096, 8192),
+    mixed=tuple((c, d, x) for c in (256, 1024) for d in (8, 32, 128) for x in (512, 2048)),
+    swap_blocks=(16, 128, 512),
+)
 FULL_GRID = ProfileGrid(
     prefill=tuple((c, p) for c in (16, 64, 128, 256, 512, 1024, 2048) for p in (0, 512, 1536)),
     decode_batches=(1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -96,8 +108,16 @@ class StepFailed(RuntimeError):
 class PlanDriver:
     """Builds StepPlans for synthetic requests and runs them; owns the block ids."""
 
-    def __init__(self, engine: LLMEngine, num_gpu_blocks: int, num_cpu_blocks: int, sampling: str = "random") -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        sampling: str = "random",
+        declare_context: bool = False,
+    ) -> None:
         self.engine = engine
+        self.declare_context = declare_context
         self.sampling = SAMPLING[sampling]
         self.block_size = engine.info.block_size
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
@@ -116,15 +136,15 @@ class PlanDriver:
         del pool[:n]
         return taken
 
-    def new_request(self, num_tokens: int, reserve_tokens: int) -> NewRequestData:
+    def new_request(self, num_tokens: int, reserve_tokens: int, computed: int = 0) -> NewRequestData:
         rid = f"profile-{self._num_created}"
         self._num_created += 1
         vocab = self.engine.info.vocab_size
         # NOTE: content does not change timings, only counts do; ids skip 0..2 (specials).
         prompt = tuple(3 + (i * 7919) % (vocab - 3) for i in range(num_tokens))
         self.tables[rid] = self.take(self.free_gpu, _blocks(reserve_tokens, self.block_size))
-        self.computed[rid] = 0
-        return NewRequestData(rid, prompt, num_tokens, self.sampling, tuple(self.tables[rid]))
+        self.computed[rid] = computed
+        return NewRequestData(rid, prompt, num_tokens, self.sampling, tuple(self.tables[rid]), computed)
 
     def release(self, rids: Sequence[str]) -> None:
         self.engine.release(list(rids))
@@ -169,6 +189,8 @@ class PlanDriver:
         """`count` requests of `prompt_len` tokens with `context` of them computed (untimed).
 
         A request whose whole prompt is computed samples, so it is ready to decode."""
+        if self.declare_context:
+            return self._declare(count, prompt_len, context, reserve_tokens)
         requests = [self.new_request(prompt_len, reserve_tokens) for _ in range(count)]
         unsent = {r.request_id: r for r in requests}
         while any(self.computed[r.request_id] < context for r in requests):
@@ -181,6 +203,16 @@ class PlanDriver:
                     budget -= n
             done = frozenset(rid for rid, n in scheduled.items() if self.computed[rid] + n == prompt_len)
             self.step(scheduled, new=[unsent.pop(rid) for rid in scheduled if rid in unsent], sample=done)
+        return [r.request_id for r in requests]
+
+    def _declare(self, count: int, prompt_len: int, context: int, reserve_tokens: int) -> list[str]:
+        """As `prefill`, with the context declared computed: one setup step that only admits.
+
+        A fully computed prompt comes with one more token, the one its last prefill step
+        would have sampled."""
+        num_tokens = prompt_len + 1 if context == prompt_len else prompt_len
+        requests = [self.new_request(num_tokens, reserve_tokens, computed=context) for _ in range(count)]
+        self.step({}, new=requests)
         return [r.request_id for r in requests]
 
 
@@ -317,9 +349,14 @@ def run_profile(
     gpu_memory_utilization: float = 0.9,
     progress: bool = True,
     sampling: str = "random",
+    declare_context: bool | None = None,
 ) -> tuple[WorkerProfile, list[str]]:
-    """Measures every grid point; returns the profile and the labels of skipped points."""
-    driver = PlanDriver(engine, *kv_capacity(engine, grid, gpu_memory_utilization), sampling=sampling)
+    """Measures every grid point; returns the profile and the labels of skipped points.
+
+    `declare_context`: skip setup prefills (None: on CUDA only)."""
+    declare = engine.device.type == "cuda" if declare_context is None else declare_context
+    blocks = kv_capacity(engine, grid, gpu_memory_utilization)
+    driver = PlanDriver(engine, *blocks, sampling=sampling, declare_context=declare)
     profile = WorkerProfile(
         model=model_spec(engine),
         device=device_name(engine),
@@ -341,67 +378,3 @@ def run_profile(
         target = profile.swaps if label.startswith("swap") else profile.steps
         target.extend(samples)
     return profile, skipped
-
-
-def report_fit(profile: WorkerProfile) -> float | None:
-    """Fits the profile with the fitted cost model when it is installed; returns its MAPE."""
-    try:
-        fitted = importlib.import_module("scheduler_service.costmodel.fitted")
-    except ImportError:
-        print("no fitted cost model (scheduler_service.costmodel.fitted) installed: fit skipped")
-        return None
-    try:
-        report = fitted.FittedCostModel(profile).fit_report()
-    except ValueError as exc:
-        print(f"fit failed: {exc}")
-        return None
-    coef = ", ".join(f"{k}={v:.3g}" for k, v in report.coefficients.items())
-    swap = f"; swaps MAPE {report.swap_mape:.1%}" if report.swap_mape is not None else ""
-    print(f"fitted cost model: step MAPE {report.mape:.1%} over {len(profile.steps)} samples{swap}")
-    print(f"coefficients (s per unit): {coef}")
-    return report.mape
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="sluice profile", description="Measure this worker's step times.")
-    p.add_argument("--model", default="tiny-llama", help="dummy preset name or checkpoint folder")
-    p.add_argument("--load-format", default="dummy", choices=("auto", "dummy", "safetensors"))
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--out", default="profile.json", help="WorkerProfile JSON to write")
-    p.add_argument("--quick", action="store_true", help="a small grid (about a minute on a CPU)")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--sampling", default="random", choices=sorted(SAMPLING), help="how profiled requests sample")
-    p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    config = EngineConfig(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device, block_size=args.block_size
-    )
-    grid = QUICK_GRID if args.quick else FULL_GRID
-    print(f"profiling {config.model} on {config.device} ({torch.get_num_threads()} torch threads): {asdict(grid)}")
-    start = time.perf_counter()
-    engine = LLMEngine(config)
-    profile, skipped = run_profile(
-        engine, grid, args.gpu_memory_utilization, progress=not args.no_progress, sampling=args.sampling
-    )
-    profile.save(args.out)
-    for line in skipped:
-        print(f"skipped {line}")
-    print(
-        f"wrote {args.out}: {len(profile.steps)} step and {len(profile.swaps)} swap samples "
-        f"in {time.perf_counter() - start:.1f} s"
-    )
-    report_fit(profile)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler_service.core.sampling import SamplingParams
+from sluice.contract.sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -87,14 +87,21 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+        return self.sample(logits, rows).tolist()
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The tokens as a device tensor: nothing here waits for the device (the caller's
+        `tolist()` is the step's one synchronisation)."""
         logits = self._prepare(logits.float(), rows)
-        greedy = torch.tensor([r.params.is_greedy for r in rows], device=logits.device)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if len(random_rows) == len(rows):
+            return self._draw(logits, rows)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
             tokens[idx] = self._draw(logits[idx], [rows[i] for i in random_rows])
-        return tokens.tolist()
+        return tokens
 
     def _prepare(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         for i, row in enumerate(rows):
@@ -122,6 +129,8 @@ class Sampler:
     def _exponential(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         q = torch.empty_like(probs)
         shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if len(shared) == len(rows):
+            return q.exponential_(generator=self.generator)
         if shared:
             q[shared] = torch.empty((len(shared), probs.shape[-1]), device=probs.device).exponential_(
                 generator=self.generator

@@ -18,71 +18,67 @@ Warmup sizes the KV cache (measured, or exactly `num_gpu_blocks_override` blocks
 it and runs one real step; request fields left at zero take the worker's flags
 (`WarmupDefaults`). Warming up again starts from a clean slate: held requests are forgotten.
 
+A worker serves one scheduler (worker_service/lease.py): Warmup grants a lease and answers
+its session id; Execute and Release must carry it as `x-sluice-session` metadata (refused
+FAILED_PRECONDITION without one, PERMISSION_DENIED with another), and a Warmup from anyone
+else is refused while the lease is live. Every step renews it, so does a Health call that
+carries it (the scheduler's idle probes).
+
 Standard gRPC health: `""` is liveness, `sluice.v1.WorkerService` is readiness (SERVING
 only once Warmup has built the KV cache). Reflection lists both services.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
+import math
+import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from functools import partial
-from importlib.metadata import PackageNotFoundError, version
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import grpc
-import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 from opentelemetry.trace import StatusCode
 
-from scheduler_service.core.plan import CachedRequestData, NewRequestData, StepPlan, StepResult
-from scheduler_service.core.sampling import InvalidRequestError, SamplingParams
-from scheduler_service.plan_codec import SERVER_OPTIONS, PlanReceiver, error_result, result_to_proto
-from sluice.common.telemetry import (
-    TraceparentTable,
-    grpc_server_interceptors,
-    setup_tracing,
-    shutdown_tracing,
-    step_span,
-    tracing_enabled,
-)
+from sluice.common.config import opt
+from sluice.common.grpc_server import KEEPALIVE, NOT_SERVING, SERVING, GrpcServer, Keepalive
+from sluice.common.prom import WorkerMetrics, start_metrics_server
+from sluice.common.security import ServerSecurity
+from sluice.common.telemetry import TraceparentTable, setup_tracing, shutdown_tracing, step_span, tracing_enabled
+from sluice.common.version import sluice_version
+from sluice.contract.limits import token_budget
+from sluice.contract.plan import CachedRequestData, NewRequestData, StepPlan, StepResult
+from sluice.contract.plan_codec import PlanReceiver, error_result, result_to_proto
+from sluice.contract.sampling import InvalidRequestError, SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine, StepPlanError
+from worker_service.lease import DEFAULT_LEASE_TTL_S, Lease, LeaseError, session_of
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME: str = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 SAMPLING_METHODS = ("greedy", "temperature", "top_k", "top_p", "min_p", "seed")
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _WARMUP_REQUEST_ID = "__sluice_warmup__"
 
 T = TypeVar("T")
 
 
-def _sluice_version() -> str:
-    try:
-        return version("sluice")
-    except PackageNotFoundError:
-        return "0+unknown"
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass
 class WarmupDefaults:
     """What the worker uses where a WarmupRequest leaves a field at zero (its flags)."""
 
-    gpu_memory_utilization: float = 0.9
-    swap_space_gib: float = 4.0
-    max_num_batched_tokens: int = 2048
-    num_gpu_blocks: int | None = None  # skip measuring: exactly this many blocks
+    gpu_memory_utilization: float = opt(0.9, "share of accelerator memory the worker may use in all")
+    swap_space_gib: float = opt(4.0, "host swap space in GiB")
+    max_num_batched_tokens: int | None = opt(
+        None, "tokens of the activation probe; none: max(8192, the model's context length)"
+    )
+    num_gpu_blocks: int | None = opt(None, "use exactly this many KV blocks instead of measuring")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,22 +89,64 @@ class WarmupParams:
     num_gpu_blocks: int | None
 
 
-def warmup_params(request: worker_pb2.WarmupRequest, defaults: WarmupDefaults) -> WarmupParams:
+# NOTE: a probe of more tokens than this would take minutes on a CPU and may not fit any
+# device; no model Sluice serves needs a larger step.
+MAX_WARMUP_BATCHED_TOKENS = 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLimits:
+    """What a Warmup may ask for: the KV cache must fit the device, swap space the host."""
+
+    bytes_per_block: int
+    device_bytes: float
+    host_bytes: float
+
+
+def host_memory_bytes() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def warmup_params(
+    request: worker_pb2.WarmupRequest, defaults: WarmupDefaults, max_model_len: int, memory: MemoryLimits | None = None
+) -> WarmupParams:
     """Merges a WarmupRequest over the worker's defaults; raises InvalidRequestError naming the field."""
     util = request.gpu_memory_utilization or defaults.gpu_memory_utilization
     if not 0.0 < util <= 1.0:
         raise InvalidRequestError("gpu_memory_utilization", f"must be in (0, 1], got {util}")
-    if request.swap_space_gib < 0.0:
-        raise InvalidRequestError("swap_space_gib", f"must be >= 0, got {request.swap_space_gib}")
+    if not 0.0 <= request.swap_space_gib < math.inf:
+        raise InvalidRequestError("swap_space_gib", f"must be >= 0 and finite, got {request.swap_space_gib}")
+    if request.max_num_batched_tokens > MAX_WARMUP_BATCHED_TOKENS:
+        raise InvalidRequestError(
+            "max_num_batched_tokens", f"must be <= {MAX_WARMUP_BATCHED_TOKENS}, got {request.max_num_batched_tokens}"
+        )
     blocks = request.num_gpu_blocks_override if request.HasField("num_gpu_blocks_override") else None
     if blocks == 0:
         raise InvalidRequestError("num_gpu_blocks_override", "must be >= 1")
-    return WarmupParams(
+    params = WarmupParams(
         gpu_memory_utilization=util,
         swap_space_gib=request.swap_space_gib or defaults.swap_space_gib,
-        max_num_batched_tokens=request.max_num_batched_tokens or defaults.max_num_batched_tokens,
+        max_num_batched_tokens=request.max_num_batched_tokens
+        or token_budget(defaults.max_num_batched_tokens, max_model_len),
         num_gpu_blocks=blocks if blocks is not None else defaults.num_gpu_blocks,
     )
+    if memory is not None:
+        _check_memory(params, memory)
+    return params
+
+
+def _check_memory(params: WarmupParams, memory: MemoryLimits) -> None:
+    if params.num_gpu_blocks is not None and params.num_gpu_blocks * memory.bytes_per_block > memory.device_bytes:
+        raise InvalidRequestError(
+            "num_gpu_blocks_override",
+            f"{params.num_gpu_blocks} blocks of {memory.bytes_per_block} bytes exceed the device's "
+            f"{memory.device_bytes / 2**30:.1f} GiB",
+        )
+    if params.swap_space_gib * 2**30 > memory.host_bytes:
+        raise InvalidRequestError(
+            "swap_space_gib",
+            f"{params.swap_space_gib:g} GiB exceeds the host's {memory.host_bytes / 2**30:.1f} GiB of memory",
+        )
 
 
 # Steps predicted to take at most this long run on the event loop (see EngineRunner).
@@ -234,6 +272,7 @@ def build_kv_cache(engine: LLMEngine, params: WarmupParams) -> tuple[int, int, i
     if num_gpu < 1:
         raise MemoryError("no accelerator memory is left for even one KV block")
     engine.init_kv_cache(num_gpu, num_cpu)
+    engine.warm_up()
     engine.execute(_warm_plan(engine))
     engine.release([_WARMUP_REQUEST_ID])
     return num_gpu, num_cpu, peak
@@ -243,12 +282,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Thin RPC handlers over an EngineRunner; readiness goes to the standard health service."""
 
     def __init__(
-        self, runner: EngineRunner, health_servicer: health.aio.HealthServicer, worker_id: int, defaults: WarmupDefaults
+        self,
+        runner: EngineRunner,
+        health_servicer: health.aio.HealthServicer,
+        worker_id: int,
+        defaults: WarmupDefaults,
+        lease: Lease | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.runner = runner
+        self.metrics = metrics
         self.health = health_servicer
         self.worker_id = worker_id
         self.defaults = defaults
+        self.lease = lease or Lease()
         self.traceparents = TraceparentTable()  # request id -> W3C traceparent, while tracing
 
     async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.InfoResponse:
@@ -271,21 +318,52 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 role=worker_pb2.WORKER_ROLE_MIXED,
                 sampling=SAMPLING_METHODS,
             ),
-            version=_sluice_version(),
+            version=sluice_version(),
             warmed_up=self.runner.warmed_up,
+            model_dimensions=worker_pb2.ModelDimensions(
+                num_layers=info.num_layers,
+                hidden_size=info.hidden_size,
+                num_heads=info.num_heads,
+                num_kv_heads=info.num_kv_heads,
+                intermediate_size=info.intermediate_size,
+                gated_mlp=info.family.startswith("llama"),
+                dtype_bytes=info.dtype_bytes,
+            ),
+            hardware=await self._hardware(),
         )
+
+    async def _hardware(self) -> worker_pb2.HardwareDescription:
+        # NOTE: measured once per process (a matrix product and a copy); off the event loop so
+        # health probes are answered meanwhile.
+        hw = await asyncio.to_thread(lambda: self.runner.engine.hardware)
+        return worker_pb2.HardwareDescription(
+            preset=hw.preset,
+            name=hw.name,
+            peak_flops=hw.peak_flops,
+            memory_bandwidth=hw.memory_bandwidth,
+            memory_bytes=hw.memory_bytes,
+            host_link_bandwidth=hw.host_link_bandwidth,
+        )
+
+    async def _memory_limits(self) -> MemoryLimits:
+        hw = await asyncio.to_thread(lambda: self.runner.engine.hardware)
+        return MemoryLimits(self.runner.engine.info.bytes_per_block, hw.memory_bytes, host_memory_bytes())
 
     async def Warmup(
         self, request: worker_pb2.WarmupRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WarmupResponse:
+        engine = self.runner.engine
         try:
-            params = warmup_params(request, self.defaults)
+            params = warmup_params(request, self.defaults, engine.info.max_model_len, await self._memory_limits())
+            session = self.lease.grant(session_of(context.invocation_metadata()))
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        engine = self.runner.engine
+        except LeaseError as exc:
+            self._count_refusal()
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
         if engine.num_requests:
-            # NOTE: a scheduler that warms a worker up again (after its own restart) starts
-            # from a clean slate; whatever the worker held belongs to the previous session.
+            # NOTE: the lease holder warming up again (after its stream broke) starts from a
+            # clean slate; whatever the worker held belongs to the previous session.
             log.warning("warmup forgets the %d requests the worker holds", engine.num_requests)
         self.traceparents.clear()
         self.runner.warmed_up = False
@@ -294,14 +372,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         try:
             num_gpu, num_cpu, peak = await self.runner.call(build_kv_cache, engine, params)
         except MemoryError as exc:
+            self.lease.clear()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV cache does not fit: {exc}")
         except Exception as exc:
+            self.lease.clear()
             log.exception("warmup failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"warmup failed: {type(exc).__name__}: {exc}")
         self.runner.forget_history()
         self.runner.warmed_up = True
         await self._publish_readiness()
-        log.info("warmed up: %d GPU blocks, %d CPU blocks", num_gpu, num_cpu)
+        log.info("warmed up: %d GPU blocks, %d CPU blocks; lease granted", num_gpu, num_cpu)
         return worker_pb2.WarmupResponse(
             num_gpu_blocks=num_gpu,
             num_cpu_blocks=num_cpu,
@@ -309,31 +389,57 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             bytes_per_block=engine.info.bytes_per_block,
             warmup_s=time.perf_counter() - start,
             peak_activation_bytes=peak,
+            session_id=session,
+            lease_ttl_s=self.lease.ttl_s,
         )
+
+    async def _check_lease(self, context: grpc.aio.ServicerContext, session: str | None) -> None:
+        try:
+            self.lease.check(session)
+        except LeaseError as exc:
+            self._count_refusal()
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+
+    def _count_refusal(self) -> None:
+        if self.metrics is not None:
+            self.metrics.refusals.inc()
 
     async def Execute(
         self, request_iterator: AsyncIterator[worker_pb2.ExecuteRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.ExecuteResponse]:
         # NOTE: an async generator (not context.write) so OpenTelemetry's aio interceptor
         # can wrap this handler later (opentelemetry-python-contrib #3066).
+        session = session_of(context.invocation_metadata())
+        await self._check_lease(context, session)
         receiver = PlanReceiver(self.worker_id)
         async for msg in request_iterator:
+            # NOTE: checked per step, not only at the stream's start: a later Warmup (the lease
+            # lapsed and another scheduler took the worker) ends this session's stream.
+            await self._check_lease(context, session)
             yield await self._step(msg, receiver)
+            self.lease.renew_if_holder(session)
 
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseResponse:
+        await self._check_lease(context, session_of(context.invocation_metadata()))
         released = await self.runner.call_inline(self.runner.engine.release, list(request.request_ids))
         self.traceparents.forget(released)
+        if request.end_lease:
+            self.lease.clear()
+            log.info("the scheduler gave up its lease")
         return worker_pb2.ReleaseResponse(released_ids=released)
 
     async def Health(
         self, request: worker_pb2.HealthRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.HealthResponse:
+        holder = self.lease.renew_if_holder(session_of(context.invocation_metadata()))
         return worker_pb2.HealthResponse(
             serving=self.runner.ready,
             message=self.runner.not_ready_reason,
             num_requests=self.runner.engine.num_requests,
+            leased=self.lease.live(),
+            lease_holder=holder,
         )
 
     async def _step(self, msg: worker_pb2.ExecuteRequest, receiver: PlanReceiver) -> worker_pb2.ExecuteResponse:
@@ -348,6 +454,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         result = await self._execute_traced(plan)
         if result.error is None:
             result = replace(result, total_s=time.perf_counter() - received)
+        if self.metrics is not None:
+            code = result.error.code if result.error is not None else None
+            self.metrics.on_step(result.total_s, plan.total_num_scheduled_tokens, code, self.runner.engine.num_requests)
         return receiver.encode(result)
 
     async def _execute_traced(self, plan: StepPlan) -> StepResult:
@@ -375,11 +484,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return error_result(plan.step_id, "INTERNAL", self.runner.failure)
 
     async def _publish_readiness(self) -> None:
-        await self.health.set(SERVICE_NAME, _SERVING if self.runner.ready else _NOT_SERVING)
+        await self.health.set(SERVICE_NAME, SERVING if self.runner.ready else NOT_SERVING)
+        if self.metrics is not None:
+            self.metrics.ready.set(1.0 if self.runner.ready else 0.0)
         if self.runner.failure:
             # NOTE: only a restart brings a failed engine back, so liveness fails too and an
             # orchestrator restarts the process instead of keeping a zombie worker.
-            await self.health.set("", _NOT_SERVING)
+            await self.health.set("", NOT_SERVING)
+
+
+@dataclass(frozen=True)
+class WorkerServerOptions:
+    """How the worker's gRPC server is exposed (the engine's settings are EngineConfig's)."""
+
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    health_port: int | None = None
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    keepalive: Keepalive = KEEPALIVE
 
 
 def build_server(
@@ -389,69 +510,62 @@ def build_server(
     host: str = "127.0.0.1",
     worker_id: int = 0,
     defaults: WarmupDefaults | None = None,
-    health_servicer: health.aio.HealthServicer | None = None,
     runner: EngineRunner | None = None,
-) -> tuple[grpc.aio.Server, int]:
-    """An unstarted aio server with the worker, health and reflection services; port 0 picks one.
+    options: WorkerServerOptions | None = None,
+    metrics: WorkerMetrics | None = None,
+) -> GrpcServer:
+    """An unstarted server with the worker, health and reflection services; port 0 picks one.
 
     `runner`: one already wrapping `engine` (whoever passes it can read its step counts)."""
-    health_servicer = health_servicer or health.aio.HealthServicer()
+    options = options or WorkerServerOptions()
+    health_servicer = health.aio.HealthServicer()
     runner = runner or EngineRunner(engine)
     if runner.engine is not engine:
         raise ValueError("runner wraps a different engine")
-    servicer = WorkerServicer(runner, health_servicer, worker_id, defaults or WarmupDefaults())
-    # NOTE: the OpenTelemetry interceptor only when tracing is set up (it costs an extra
-    # async-generator hop per streamed message); step spans link to requests either way.
-    server = grpc.aio.server(
-        options=SERVER_OPTIONS, interceptors=grpc_server_interceptors() if tracing_enabled() else None
+    lease = Lease(options.lease_ttl_s)
+    servicer = WorkerServicer(runner, health_servicer, worker_id, defaults or WarmupDefaults(), lease, metrics)
+    return GrpcServer.build(
+        SERVICE_NAME,
+        lambda server: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server),
+        host,
+        port,
+        health_servicer=health_servicer,
+        security=options.security,
+        health_port=options.health_port,
+        keepalive=options.keepalive,
     )
-    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound_port = server.add_insecure_port(f"{host}:{port}")
-    if bound_port == 0:
-        raise OSError(f"could not bind {host}:{port}")
-    return server, bound_port
-
-
-async def start_health(health_servicer: health.aio.HealthServicer) -> None:
-    """Liveness SERVING now, readiness NOT_SERVING until Warmup."""
-    await health_servicer.set("", _SERVING)
-    await health_servicer.set(SERVICE_NAME, _NOT_SERVING)
-
-
-async def shutdown(
-    server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, grace_s: float = 5.0, drain_s: float = 0.5
-) -> None:
-    """Health first (balancers stop sending), a moment to notice, then in-flight streams get grace_s."""
-    await health_servicer.enter_graceful_shutdown()
-    await asyncio.sleep(drain_s)
-    await server.stop(grace_s)
 
 
 async def serve(
     config: EngineConfig,
     port: int,
     *,
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
     worker_id: int = 0,
     defaults: WarmupDefaults | None = None,
     grace_s: float = 5.0,
     engine_factory: Callable[[EngineConfig], Any] = LLMEngine,
+    options: WorkerServerOptions | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     """Loads the model (or the engine `engine_factory` builds), serves until SIGINT or SIGTERM,
-    then shuts down gracefully."""
+    then shuts down gracefully. Readiness stays NOT_SERVING until a scheduler's Warmup."""
     setup_tracing("sluice-worker")
     engine = await asyncio.to_thread(engine_factory, config)
-    health_servicer = health.aio.HealthServicer()
-    server, bound_port = build_server(
-        engine, port, host=host, worker_id=worker_id, defaults=defaults, health_servicer=health_servicer
-    )
-    await start_health(health_servicer)
-    await server.start()
     info = engine.info
+    metrics = None
+    if metrics_port is not None:
+        metrics = WorkerMetrics(info.model, str(worker_id))
+        bound = start_metrics_server(metrics_port, metrics, host)
+        print(f"sluice worker {worker_id} metrics on http://{host}:{bound}/metrics", flush=True)
+    server = build_server(
+        engine, port, host=host, worker_id=worker_id, defaults=defaults, options=options, metrics=metrics
+    )
+    await server.start(ready=False)
+    extra = f"; health on {host}:{server.health_port}" if server.health_port is not None else ""
     print(
-        f"sluice worker {worker_id} listening on {host}:{bound_port} ({info.model}, {info.dtype}, {info.device})",
+        f"sluice worker {worker_id} listening on {host}:{server.port} ({info.model}, {info.dtype}, {info.device}; "
+        f"{server.security.describe()}{extra})",
         flush=True,
     )
     stop = asyncio.Event()
@@ -460,66 +574,5 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     print("sluice worker shutting down", flush=True)
-    await shutdown(server, health_servicer, grace_s)
+    await server.stop(grace_s)
     shutdown_tracing()
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="sluice worker", description="Serve one model engine over gRPC.")
-    p.add_argument("--model", default="tiny-llama", help="model name or checkpoint folder")
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy", "safetensors"))
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50061)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--swap-space-gib", type=float, default=4.0)
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="use this many KV blocks instead of measuring")
-    p.add_argument("--worker-id", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads on CPU (0: torch's default)")
-    p.add_argument(
-        "--engine",
-        default="torch",
-        choices=("torch", "echo", "none"),
-        help="torch: run the model; echo (or none): check plans and answer synthetic tokens at once (load tests)",
-    )
-    p.add_argument("--echo-step-ms", type=float, default=0.0, help="with --engine echo: sleep this long per step")
-    return p.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads:
-        # NOTE: on a CPU shared with other processes, fewer OpenMP threads than cores avoids
-        # barrier stalls that made the same steps up to 40x slower (docs/RESULTS.md, worker section).
-        torch.set_num_threads(args.threads)
-    config = EngineConfig(
-        model=args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        seed=args.seed,
-    )
-    defaults = WarmupDefaults(
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        swap_space_gib=args.swap_space_gib,
-        num_gpu_blocks=args.num_gpu_blocks,
-    )
-    log.info("worker config: %s; warmup defaults: %s", config, defaults)
-    factory: Callable[[EngineConfig], Any] = LLMEngine
-    if args.engine in ("echo", "none"):
-        from worker_service.echo_engine import EchoEngine
-
-        factory = partial(EchoEngine, step_time_s=args.echo_step_ms / 1e3)
-    asyncio.run(
-        serve(config, args.port, host=args.host, worker_id=args.worker_id, defaults=defaults, engine_factory=factory)
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
