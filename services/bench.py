@@ -9,11 +9,18 @@ reported with the simulator's metric definitions.
     --summarize--> MetricsRecorder (scheduler_service.core.metrics, the simulator's) fed with
         Requests rebuilt from the records --> the `sluice simulate --json` document
 
-Every request asks for exactly the trace's output length (`max_tokens`, `ignore_eos`), as
-the simulator replays it. Times are client-side: arrival = when the request was sent, a
-token's time = when its message arrived. Metrics only the server sees (compute and KV
-utilization, scheduling overhead, load imbalance, KV allocation failures) are null here;
-preemptions come from each request's final timings.
+Length source. By default no request carries its true output length: `max_tokens` is the
+context left after the prompt (capped by `--max-tokens`), `ignore_eos` is off and no predicted
+length is sent, so the model decides when to stop and the server's own length source (its
+predictor, else max_tokens) is what the policies see; the JSON says `"length_source":
+"max_tokens"`. `--oracle-lengths` restores the replay of the simulator: each request asks for
+exactly the trace's output length with `ignore_eos` (`"length_source": "oracle"`), which hands
+every policy the true length (an upper bound of what a real predictor allows).
+
+Times are client-side: arrival = when the request was sent, a token's time = when its
+message arrived. Metrics only the server sees (compute and KV utilization, scheduling
+overhead, load imbalance, KV allocation failures) are null here; preemptions come from each
+request's final timings.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from sluice.common.security import add_client_security_arguments, client_security_from
 
 if TYPE_CHECKING:
     from scheduler_service.core.slo import SLOSpec
@@ -47,10 +56,11 @@ class BenchRequest:
     arrival_s: float | None  # offset from the start of the run; None in closed-loop mode
     prompt: str | tuple[int, ...]
     num_prompt_tokens: int  # the trace's count (the server's tokenizer decides for text prompts)
-    max_tokens: int  # the trace's output length, clipped to the context left
+    max_tokens: int  # oracle: the trace's output length; else the context left (both clipped to --max-tokens)
     slo: SLOSpec
     priority: int = 0
     tenant: str = ""
+    ignore_eos: bool = False  # True only with oracle lengths: the request runs to exactly max_tokens
 
 
 @dataclass(slots=True)
@@ -72,11 +82,17 @@ def synthetic_prompt(num_tokens: int, offset: int) -> tuple[int, ...]:
 
 
 def prepare_requests(
-    workload: Workload, max_model_len: int, *, max_tokens: int | None = None, prompt_source: str = "auto"
+    workload: Workload,
+    max_model_len: int,
+    *,
+    max_tokens: int | None = None,
+    prompt_source: str = "auto",
+    oracle_lengths: bool = False,
 ) -> list[BenchRequest]:
     """One BenchRequest per trace request: the prompt clipped to leave room for one output
-    token, the output to the context left (and to `max_tokens`). Text prompts are used when
-    the trace has them (`auto`, `text`) and they are not longer than the context."""
+    token; `max_tokens` the context left (and at most `max_tokens`), or with `oracle_lengths`
+    the trace's true output length under the same caps, run with `ignore_eos`. Text prompts
+    are used when the trace has them (`auto`, `text`) and they are not longer than the context."""
     from scheduler_service.core.slo import NO_SLO
 
     if prompt_source not in PROMPT_SOURCES:
@@ -85,7 +101,8 @@ def prepare_requests(
     for i, tr in enumerate(workload.requests):
         prompt_len = min(max(1, tr.prompt_tokens), max_model_len - 1)
         room = max_model_len - prompt_len
-        num_out = max(1, min(tr.output_tokens, room, max_tokens or room))
+        cap = min(room, max_tokens or room)
+        num_out = max(1, min(tr.output_tokens, cap)) if oracle_lengths else max(1, cap)
         prompt: str | tuple[int, ...]
         if prompt_source != "tokens" and tr.prompt_text and tr.prompt_tokens == prompt_len:
             prompt = tr.prompt_text
@@ -103,6 +120,7 @@ def prepare_requests(
                 slo=tr.slo or NO_SLO,
                 priority=tr.priority,
                 tenant=tr.tenant,
+                ignore_eos=oracle_lengths,
             )
         )
     return out
@@ -125,7 +143,7 @@ async def _send(client: SluiceClient, record: RequestRecord, t0: float, timeout:
         r.prompt,
         request_id=r.request_id,
         max_tokens=r.max_tokens,
-        ignore_eos=True,
+        ignore_eos=r.ignore_eos,
         ttft_ms=_slo_ms(r.slo.ttft_s),
         tbt_ms=_slo_ms(r.slo.tbt_s),
         jct_ms=_slo_ms(r.slo.jct_s),
@@ -229,7 +247,7 @@ def record_metrics(records: Sequence[RequestRecord]) -> Any:
     """A MetricsRecorder fed with one rebuilt Request per record (the simulator's definitions)."""
     from scheduler_service.core.metrics import MetricsRecorder
     from scheduler_service.core.request import Request, RequestStatus
-    from scheduler_service.core.sampling import SamplingParams
+    from sluice.contract.sampling import SamplingParams
 
     recorder = MetricsRecorder()
     for rec in records:
@@ -297,11 +315,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--arrival", default="auto", choices=["auto", "trace", "poisson", "gamma"])
     p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma arrivals")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, help="cap of every request's output length")
+    p.add_argument("--max-tokens", type=int, help="cap of every request's max_tokens")
+    p.add_argument(
+        "--oracle-lengths",
+        action="store_true",
+        help="ask for exactly each request's true output length with ignore_eos (hands policies the oracle)",
+    )
     p.add_argument("--prompt-source", default="auto", choices=PROMPT_SOURCES, help="auto: text when the trace has it")
     p.add_argument("--ttft-ms", type=float, help="a TTFT SLO for every request")
     p.add_argument("--tbt-ms", type=float, help="a TBT SLO for every request")
     p.add_argument("--jct-ms", type=float, help="a JCT SLO for every request")
+    add_client_security_arguments(p)
     p.add_argument("--timeout", type=float, help="deadline of each request in seconds")
     p.add_argument("--json", help="write the metrics JSON (the format of `sluice simulate --json`)")
     p.add_argument("--no-progress", action="store_true")
@@ -324,15 +348,28 @@ def _workload(args: argparse.Namespace) -> Workload:
     return workload
 
 
+def _max_tokens_policy(args: argparse.Namespace) -> str:
+    cap = f", at most {args.max_tokens}" if args.max_tokens else ""
+    if args.oracle_lengths:
+        return f"max_tokens = the trace's output length{cap}, ignore_eos"
+    return f"max_tokens = the context left after the prompt{cap}; the model stops at EOS; no predicted length sent"
+
+
 async def _bench(args: argparse.Namespace) -> int:
     from scheduler_service.sim.report import format_table, write_json
     from sluice.common.client import SluiceClient
 
     workload = _workload(args)
-    async with SluiceClient(args.target) as client:
+    length_source = "oracle" if args.oracle_lengths else "max_tokens"
+    print(f"length source: {length_source} ({_max_tokens_policy(args)})")
+    async with SluiceClient(args.target, security=client_security_from(args)) as client:
         info = await client.server_info()
         requests = prepare_requests(
-            workload, info.max_model_len, max_tokens=args.max_tokens, prompt_source=args.prompt_source
+            workload,
+            info.max_model_len,
+            max_tokens=args.max_tokens,
+            prompt_source=args.prompt_source,
+            oracle_lengths=args.oracle_lengths,
         )
         start = time.perf_counter()
         records = await run_requests(
@@ -350,6 +387,8 @@ async def _bench(args: argparse.Namespace) -> int:
         "concurrency": args.concurrency,
         "seed": args.seed,
         "wall_s": wall,
+        "length_source": length_source,
+        "max_tokens_policy": _max_tokens_policy(args),
     }
     run = summarize(records, policy=info.policy, workload=workload.name, config=config)
     print(f"{workload.name}: {len(requests)} requests against {args.target} ({info.model}, {info.policy})")

@@ -8,6 +8,8 @@
     sluice worker --model tiny-llama --port 50061
     sluice serve --workers 2 --policy sarathi --demo
     sluice scheduler --worker 127.0.0.1:50061 --worker 127.0.0.1:50062 --port 50051
+    sluice predictor serve --port 50071
+    sluice certs --out certs --host sluice.internal     # a dev CA and mTLS certificates
 """
 
 from __future__ import annotations
@@ -18,103 +20,77 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from sluice.common.config import add_config_arguments, config_from
+
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload")
-    g.add_argument("--trace", required=True, help="a shared trace name, a synthetic workload name, or a file path")
-    g.add_argument("--num-requests", type=int, default=1000, help="requests taken from the trace (default 1000)")
-    g.add_argument(
-        "--rate", type=float, help="arrivals/s: rescales trace timestamps, or Poisson for length-only traces"
-    )
-    g.add_argument("--arrival", default="auto", choices=["auto", "trace", "poisson", "gamma"])
-    g.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of gamma arrivals")
-    g.add_argument("--slo-profile", default="none", help="none, accelgen, econoserve, sarathi-strict, sarathi-relaxed")
-    g.add_argument("--seed", type=int, default=0)
+    """The flags of simulate and capacity: generated from WorkloadConfig, CostModelConfig and
+    SimConfig (each also read from SLUICE_<NAME>), plus the repeatable --policy."""
+    from scheduler_service.costmodel.factory import CostModelConfig
+    from scheduler_service.sim.simulator import SimConfig
+    from scheduler_service.sim.workload_config import WorkloadConfig
+
+    add_config_arguments(p.add_argument_group("workload"), WorkloadConfig)
     s = p.add_argument_group("system")
     s.add_argument("--policy", action="append", help="policy[:key=value,...]; repeat to compare (default vllm)")
-    s.add_argument("--model", default="llama-2-7b", help="model preset, e.g. llama-2-7b, mistral-7b, yi-34b@tp2")
-    s.add_argument("--hardware", default="a100-80g", help="a100-80g, h100-80g, h200, a40, v100-32g")
-    s.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    s.add_argument("--cost-model", default="analytic", help="analytic, profile (measured operators), fitted")
-    s.add_argument("--profile", help="a `sluice profile` JSON for --cost-model fitted")
-    s.add_argument("--kv-gb", type=float, help="KV cache size per worker in GiB (default: memory minus weights)")
-    s.add_argument("--workers", type=int, default=1)
-    s.add_argument("--router", default="round_robin")
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--max-num-seqs", type=int, default=256)
-    s.add_argument("--max-num-batched-tokens", type=int)
-    s.add_argument("--max-model-len", type=int, help="override the model's context length")
-    s.add_argument("--max-tokens", type=int, help="cap of every request's max_tokens")
-    s.add_argument("--length-source", default="max_tokens", help="max_tokens, oracle, noisy_oracle")
-    s.add_argument("--length-error", type=float, default=0.2, help="relative error of noisy_oracle")
-    s.add_argument("--int8-swap", action="store_true", help="int8-compress swapped KV (halves swap bytes)")
+    add_config_arguments(s, CostModelConfig)
+    add_config_arguments(s, SimConfig)
     s.add_argument("--no-progress", action="store_true")
 
 
-def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
-    from scheduler_service.costmodel.factory import build_cost_model
-    from scheduler_service.sim.workloads import load_trace
+def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """(workload config, cost model, the trace's requests, the length table or None) from the flags."""
+    from scheduler_service.costmodel.factory import CostModelConfig
+    from scheduler_service.sim.workload_config import WorkloadConfig
+    from services.lengths import is_predictor_source, predictor_lengths
 
-    cost_model = build_cost_model(args.cost_model, args.model, args.hardware, args.tp, args.profile)
-    workload = load_trace(args.trace, num_requests=args.num_requests, seed=args.seed)
-    return cost_model, workload
+    workload_cfg = config_from(WorkloadConfig, args)
+    cost_model = config_from(CostModelConfig, args).build()
+    source = args.length_source or "max_tokens"
+    if not is_predictor_source(source):
+        return workload_cfg, cost_model, workload_cfg.load(), None
+    if workload_cfg.tokenizer is None:
+        from sluice.common.tokenizer import demo_tokenizer_path
+
+        # NOTE: the predictor counts in its own tokenizer's tokens; a text trace is counted the same way.
+        workload_cfg.tokenizer = str(demo_tokenizer_path())
+    workload = workload_cfg.load()
+    lengths = predictor_lengths(source, workload, seed=workload_cfg.seed, progress=not args.no_progress)
+    print(f"length source {source}: {lengths.name}, {len(lengths.predictions)} predictions")
+    return workload_cfg, cost_model, workload, lengths
 
 
-def _prepare(args: argparse.Namespace, cost_model: Any, workload: Any, rate: float | None) -> Any:
-    from scheduler_service.sim.slo_profiles import apply_slo_profile
-    from scheduler_service.sim.workloads import apply_arrivals
-
-    if rate is not None or not workload.has_arrivals:
-        if rate is None:
-            raise SystemExit(f"error: trace {args.trace!r} has no arrival times; give --rate")
-        workload = apply_arrivals(workload, args.arrival, rate=rate, cv=args.cv, seed=args.seed)
-    return apply_slo_profile(args.slo_profile, workload, cost_model, seed=args.seed)
-
-
-def _sim_config(args: argparse.Namespace, policy: str) -> Any:
+def _sim_config(args: argparse.Namespace, policy: str, seed: int) -> Any:
     from scheduler_service.sim.simulator import SimConfig
 
-    return SimConfig(
-        policy=policy,
-        num_workers=args.workers,
-        router=args.router,
-        block_size=args.block_size,
-        kv_gb=args.kv_gb,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        max_tokens=args.max_tokens,
-        length_source=args.length_source,
-        length_error=args.length_error,
-        int8_swap=args.int8_swap,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
+    return config_from(SimConfig, args, policy=policy, seed=seed, progress=not args.no_progress)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from scheduler_service.sim.report import format_table, plot_runs, write_json
     from scheduler_service.sim.simulator import simulate
 
-    cost_model, workload = _setup(args)
-    workload = _prepare(args, cost_model, workload, args.rate)
+    workload_cfg, cost_model, workload, lengths = _setup(args)
+    workload = workload_cfg.prepare(workload, cost_model, workload_cfg.rate)
     runs = []
     for policy in args.policy or ["vllm"]:
-        run = simulate(_sim_config(args, policy), workload, cost_model)
-        run.config["rate"] = args.rate
+        run = simulate(_sim_config(args, policy, workload_cfg.seed), workload, cost_model, lengths)
+        run.config["rate"] = workload_cfg.rate
         runs.append(run)
     stats = workload.stats()
     print(
         f"{workload.name}: {len(workload)} requests, prompt mean {stats.prompt_mean:.0f}, "
-        f"output mean {stats.output_mean:.0f}, {cost_model.model.name} on {cost_model.hardware.name} "
-        f"x{args.workers} ({cost_model.name} cost model), SLO profile {args.slo_profile}"
+        f"output mean {stats.output_mean:.0f}, {cost_model.model.name} (context {runs[0].config['max_model_len']}) "
+        f"on {cost_model.hardware.name} x{runs[0].config['num_workers']} ({cost_model.name} cost model), "
+        f"SLO profile {workload_cfg.slo_profile}"
     )
     print(format_table(runs))
-    for run in runs:
-        rejected = run.details["rejected_by_reason"]
-        if rejected:
-            reasons = ", ".join(f"{k}: {v}" for k, v in rejected.items())
-            print(f"{run.policy}: rejected {sum(rejected.values())} ({reasons})")
+    if any(run.details["rejected_by_reason"] for run in runs):
+        print(
+            "rejected: prompt_too_long = prompt + 1 token over --max-model-len (the model's context unless set); "
+            "exceeds_kv_capacity = the prompt needs more KV than a worker has; unschedulable = no step of the "
+            "policy could place it"
+        )
     if args.json:
         write_json(runs, args.json)
         print(f"wrote {args.json}")
@@ -131,18 +107,18 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     from scheduler_service.sim.simulator import simulate
 
     rule = parse_rule(args.slo_rule)
-    cost_model, base = _setup(args)
+    workload_cfg, cost_model, base, lengths = _setup(args)
     results = {}
     for policy in args.policy or ["vllm"]:
         tbt_slo: list[float | None] = [None]
 
         def run_at(rate: float, policy: str = policy, tbt_slo: list = tbt_slo) -> Any:
-            workload = _prepare(args, cost_model, base, rate)
+            workload = workload_cfg.prepare(base, cost_model, rate)
             tbts = [r.slo.tbt_s for r in workload.requests if r.slo is not None and r.slo.tbt_s is not None]
             tbt_slo[0] = float(np.median(tbts)) if tbts else None
-            cfg = _sim_config(args, policy)
+            cfg = _sim_config(args, policy, workload_cfg.seed)
             cfg.progress = False
-            run = simulate(cfg, workload, cost_model)
+            run = simulate(cfg, workload, cost_model, lengths)
             run.config["rate"] = rate
             return run
 
@@ -154,8 +130,11 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         )
     if args.json:
         with open(args.json, "w") as f:
+            summary = {"rule": args.slo_rule, "model": cost_model.model.name, "trace": workload_cfg.trace}
             json.dump(
-                {"rule": args.slo_rule, "model": args.model, "trace": args.trace, "results": results}, f, indent=2
+                {**summary, "results": results},
+                f,
+                indent=2,
             )
         print(f"wrote {args.json}")
     return 0
@@ -199,14 +178,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_capacity)
     _serve_commands(sub)
     for name, module, text in (
-        ("profile", "worker_service.profiler", "measure a worker's step times and write a profile JSON"),
-        ("worker", "worker_service.server", "run one worker service"),
+        ("profile", "services.profile", "measure a worker's step times and write a profile JSON"),
+        ("worker", "services.worker", "run one worker service"),
+        ("predictor", "services.predictor", "train, export, eval or serve the output-length predictor"),
     ):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=_delegate(module))
     _client_commands(sub)
+    _certs_command(sub)
     return parser
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from sluice.common.certs import DEFAULT_HOSTS, write_dev_pki
+
+    names = args.name or ["scheduler", "worker", "client"]
+    written = write_dev_pki(args.out, names, args.host or ())
+    print(f"wrote {args.out}/ca.crt and ca.key (a development CA: keep ca.key private)")
+    for name, (cert, key) in written.items():
+        print(f"  {name}: {cert} {key}")
+    print(f"valid for: {', '.join(dict.fromkeys([*(args.host or ()), *DEFAULT_HOSTS]))}")
+    first = names[0]
+    print(
+        f"serve with: --tls-cert {args.out}/{first}.crt --tls-key {args.out}/{first}.key --tls-ca {args.out}/ca.crt"
+    )
+    return 0
+
+
+def _certs_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("certs", help="make a development CA and TLS certificates for the services and clients")
+    p.add_argument("--out", required=True, help="folder to write ca.crt, ca.key, NAME.crt and NAME.key into")
+    p.add_argument("--name", action="append", help="a certificate to issue (repeat; default scheduler, worker, client)")
+    p.add_argument("--host", action="append", help="a DNS name or IP the certificates are valid for (repeat)")
+    p.set_defaults(func=cmd_certs)
 
 
 def _client_commands(sub: Any) -> None:
@@ -217,7 +222,7 @@ def _client_commands(sub: Any) -> None:
     bench.add_parser(sub)
 
 
-_DELEGATED = {"profile": "worker_service.profiler", "worker": "worker_service.server"}
+_DELEGATED = {"profile": "services.profile", "worker": "services.worker", "predictor": "services.predictor"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

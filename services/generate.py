@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Any
 
+from sluice.common.security import add_client_security_arguments, client_security_from
+
 DEFAULT_TARGET = os.environ.get("SLUICE_TARGET", "127.0.0.1:50051")
 
 
@@ -38,6 +40,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--priority", type=int, default=0, help="lower is served first")
     p.add_argument("--timeout", type=float, help="deadline of the whole request in seconds")
     p.add_argument("--quiet", action="store_true", help="no summary line on stderr")
+    add_client_security_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -65,7 +68,7 @@ async def _generate(args: argparse.Namespace) -> int:
         "slo_class": args.slo_class,
         "priority": args.priority,
     }
-    async with SluiceClient(args.target) as client:
+    async with SluiceClient(args.target, security=client_security_from(args)) as client:
         try:
             async for chunk in client.generate(_prompt(args), timeout=args.timeout, **options):
                 if chunk.text:

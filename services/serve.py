@@ -2,16 +2,28 @@
 `sluice scheduler` (the scheduler alone, against running workers).
 
     sluice serve [--config FILE] [--workers K] [--policy P] [--model M] [--port N] [--demo]
-        spawn K `sluice worker --port 0` processes -> read "listening on HOST:PORT" from each
-        -> wait for their liveness health -> LiveScheduler + SchedulerServer (Warmup, loops)
-        -> print where it listens -> serve until SIGINT/SIGTERM (or, with --demo, replay a
-        trace slice against itself with a progress bar and print the metrics table)
-        -> graceful shutdown: health NOT_SERVING, in-flight streams get a grace period,
-           then the workers get SIGTERM (SIGKILL if they linger)
+        spawn K `sluice worker --port 0` processes on loopback -> read "listening on HOST:PORT"
+        from each -> wait for their liveness health -> LiveScheduler + SchedulerServer
+        (Warmup, loops) -> print where it listens -> serve until SIGINT/SIGTERM (or, with
+        --demo, replay a trace slice against itself with a progress bar and print the
+        metrics table) -> graceful shutdown: health NOT_SERVING, in-flight streams get a
+        grace period, then the workers get SIGTERM (SIGKILL if they linger)
+        Supervisor: a worker that exits is logged with its exit code and the last lines of
+        its stderr, and started again after a backoff (doubling up to restart_max_s) on the
+        same port, so the scheduler's reconnect finds it; when that port is taken it starts
+        on a new one and the scheduler is told the new address.
     sluice scheduler --worker HOST:PORT [--worker ...] [--policy P] [--port N]
 
+Security (SecurityConfig, shared with the worker): api_key clients must send; tls_cert,
+tls_key, tls_ca turn on TLS (mutual with a CA) for the scheduler's port and, with `serve`, the
+workers' (the same files); the scheduler dials its workers with them, presenting
+worker_api_key (default: the first api_key). health_port serves plaintext health for probes.
+
 Settings come from the dataclass defaults, then the --config file (JSON, or TOML by its
-.toml suffix; keys are the field names), then the flags given on the command line.
+.toml suffix; keys are the field names), then SLUICE_<NAME> environment variables, then the
+flags given on the command line (sluice.common.config). ServeConfig extends
+SchedulerServiceConfig, which extends the live scheduler's LiveConfig: one definition of
+every setting and its default.
 """
 
 from __future__ import annotations
@@ -24,12 +36,18 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
-import tomllib
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import urlparse
+
+from scheduler_service.live.config import LiveConfig
+from sluice.common.config import add_config_arguments, config_from, opt, subset
+from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted, split_keys
 
 log = logging.getLogger(__name__)
 
@@ -37,76 +55,157 @@ _LISTENING = re.compile(rb"listening on ([\w.\-\[\]:]+):(\d+)")
 
 
 @dataclass
-class ServeConfig:
-    workers: int = 2
-    policy: str = "vllm"
-    router: str = "round_robin"
-    model: str = "tiny-llama"
-    load_format: str = "auto"
-    device: str = "cpu"
-    host: str = "127.0.0.1"
-    port: int = 50051
-    worker_addresses: list[str] = field(default_factory=list)  # `sluice scheduler`: workers already running
-    num_gpu_blocks: int | None = 512  # per worker; a fixed pool on CPU instead of measuring free RAM
-    swap_space_gib: float = 0.05
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_waiting: int = 256
-    default_max_tokens: int = 256
-    worker_threads: int = 0  # torch threads per worker; 0: the cores shared out evenly
-    metrics_port: int | None = None  # Prometheus /metrics; None: off
-    worker_start_timeout_s: float = 120.0
-    grace_s: float = 5.0
+class SchedulerServiceConfig(LiveConfig, SecurityConfig):
+    """`sluice scheduler`: the live scheduler, where it listens, who may call it, and the
+    workers it drives."""
 
-    def live_config(self) -> Any:
-        from scheduler_service.live.config import LiveConfig
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(50051, "port to listen on (0 picks a free one)")
+    worker: list[str] = opt(
+        default_factory=list, help="HOST:PORT of a running worker (repeat the flag, or a comma-separated list)"
+    )
+    metrics_port: int | None = opt(None, "serve Prometheus /metrics on this port")
+    grace_s: float = opt(5.0, "seconds in-flight streams get to finish at shutdown")
+    worker_api_key: str | None = opt(None, "the API key the workers require; none: the first of api_key")
 
-        return LiveConfig(
-            policy=self.policy,
-            router=self.router,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_waiting=self.max_waiting,
-            default_max_tokens=self.default_max_tokens,
-            num_gpu_blocks=self.num_gpu_blocks,
-            swap_space_gib=self.swap_space_gib,
-        )
+    def live_config(self) -> LiveConfig:
+        return subset(LiveConfig, self)
+
+    def worker_key(self) -> str | None:
+        keys = split_keys(self.api_key)
+        return self.worker_api_key or (keys[0] if keys else None)
 
 
-def load_config(path: str | None, overrides: dict[str, Any]) -> ServeConfig:
-    """Defaults < the config file < flags given (None values in `overrides` are not given)."""
-    values: dict[str, Any] = {}
-    if path:
-        text = Path(path).read_text()
-        raw = tomllib.loads(text) if path.endswith(".toml") else json.loads(text)
-        values.update({k.replace("-", "_"): v for k, v in raw.items()})
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    known = {f.name for f in fields(ServeConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown serve settings {unknown}; known: {', '.join(sorted(known))}")
-    return ServeConfig(**values)
+@dataclass
+class ServeConfig(SchedulerServiceConfig):
+    """`sluice serve`: the scheduler plus the worker processes it starts."""
+
+    workers: int = opt(2, "worker processes to start")
+    model: str = opt("tiny-llama", "model preset or checkpoint folder of the workers")
+    load_format: str = opt("auto", "auto, dummy or safetensors")
+    device: str = opt("cpu", "cpu, cuda or cuda:N")
+    # NOTE: a CPU worker left to measure would size its KV cache from most of the machine's free
+    # RAM; the launcher gives its CPU workers a fixed pool instead (None lets a GPU worker measure).
+    num_gpu_blocks: int | None = opt(512, "KV blocks per worker; none: each worker measures its device")
+    swap_space_gib: float = opt(0.05, "host swap space per worker in GiB")
+    worker_threads: int = opt(0, "torch threads per worker; 0: the cores shared out evenly")
+    worker_start_timeout_s: float = opt(120.0, "seconds a worker gets to start and answer health")
+    worker_host: str = opt("127.0.0.1", "address the workers listen on (loopback: only this machine reaches them)")
+    restart_min_s: float = opt(1.0, "first delay before restarting a worker that exited")
+    restart_max_s: float = opt(30.0, "the restart delay doubles up to this (and resets after a minute of uptime)")
+    start_predictor: bool = opt(
+        True, "start a length predictor process beside the workers (not when --predictor names a running one)"
+    )
+    redis_url: str | None = opt(
+        "redis://127.0.0.1:6379/0", "Redis for the predictor's query cache and history, used when it answers"
+    )
+    # NOTE: on a machine the workers share, the predictor's encoder competes with their steps for
+    # the cores; at a lower priority it uses what they leave (its answers are never awaited).
+    predictor_niceness: int = opt(10, "scheduling niceness of the predictor process (0: the same as the workers)")
 
 
 # ---------------------------------------------------------------- worker processes
 
+STDERR_TAIL_LINES = 20
+HEALTHY_UPTIME_S = 60.0  # a worker that lived this long restarts after the shortest delay again
+
 
 @dataclass
 class WorkerProcess:
+    """A child process of `sluice serve`: a worker (worker_id >= 0) or the predictor (-1)."""
+
     worker_id: int
     proc: asyncio.subprocess.Process
     address: str = ""
-    _drain: asyncio.Task | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
+    _drains: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1]) if self.address else 0
+
+    @property
+    def name(self) -> str:
+        return f"worker {self.worker_id}" if self.worker_id >= 0 else "predictor"
 
 
-def worker_command(cfg: ServeConfig, worker_id: int) -> list[str]:
+def worker_command(cfg: ServeConfig, worker_id: int, port: int = 0) -> list[str]:
     threads = cfg.worker_threads or max(1, (os.cpu_count() or 1) // max(1, cfg.workers))
-    cmd = [sys.executable, "-m", "services.cli", "worker", "--host", cfg.host, "--port", "0"]
+    cmd = [sys.executable, "-m", "services.cli", "worker", "--host", cfg.worker_host, "--port", str(port)]
     cmd += ["--worker-id", str(worker_id), "--model", cfg.model, "--load-format", cfg.load_format]
     cmd += ["--device", cfg.device, "--swap-space-gib", str(cfg.swap_space_gib), "--threads", str(threads)]
     if cfg.num_gpu_blocks is not None:
         cmd += ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
+    for flag, path in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key), ("--tls-ca", cfg.tls_ca)):
+        if path:
+            cmd += [flag, path]
     return cmd
+
+
+def worker_environment(cfg: ServeConfig) -> dict[str, str]:
+    """Our environment without SLUICE_* settings (they are the scheduler's: a health or metrics
+    port would clash), with the workers' API key; data and telemetry settings pass."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_DATA_DIR"}
+    key = cfg.worker_key()
+    if key:
+        env["SLUICE_API_KEY"] = key  # NOTE: in the environment, not on a command line others can read
+    return env
+
+
+async def spawn_worker(cfg: ServeConfig, worker_id: int, port: int = 0) -> WorkerProcess:
+    return await spawn_process(worker_command(cfg, worker_id, port), worker_environment(cfg), worker_id)
+
+
+async def spawn_process(cmd: Sequence[str], env: dict[str, str], worker_id: int, niceness: int = 0) -> WorkerProcess:
+    proc = await asyncio.create_subprocess_exec(
+        *cmd,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+        preexec_fn=(lambda: os.nice(niceness)) if niceness else None,
+    )
+    child = WorkerProcess(worker_id, proc)
+    child._drains.append(asyncio.create_task(_drain_stderr(child)))
+    return child
+
+
+PREDICTOR_ID = -1
+
+
+def predictor_command(cfg: ServeConfig) -> list[str]:
+    cmd = [sys.executable, "-m", "services.cli", "predictor", "serve", "--host", cfg.worker_host, "--port", "0"]
+    if cfg.redis_url and redis_answers(cfg.redis_url):
+        cmd += ["--redis-url", cfg.redis_url]
+    for flag, path in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key), ("--tls-ca", cfg.tls_ca)):
+        if path:
+            cmd += [flag, path]
+    return cmd
+
+
+def redis_answers(url: str, timeout_s: float = 0.2) -> bool:
+    """Whether something listens at the Redis URL's address (the predictor fails open either
+    way; without one it keeps its cache and history in process)."""
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+async def start_predictor(cfg: ServeConfig) -> WorkerProcess | None:
+    """The length predictor beside the workers (its committed model; the encoder is exported
+    into the cache at first use), unless one is named or it is turned off."""
+    if not cfg.start_predictor or cfg.predictor:
+        return None
+    child = await spawn_process(predictor_command(cfg), worker_environment(cfg), PREDICTOR_ID, cfg.predictor_niceness)
+    try:
+        await _ready(child, cfg)
+    except BaseException:
+        await stop_workers([child])
+        raise
+    return child
 
 
 async def _listening_address(worker: WorkerProcess, timeout_s: float) -> str:
@@ -116,39 +215,55 @@ async def _listening_address(worker: WorkerProcess, timeout_s: float) -> str:
         while line := await stdout.readline():
             if match := _LISTENING.search(line):
                 return f"{match.group(1).decode()}:{match.group(2).decode()}"
-    raise RuntimeError(f"worker {worker.worker_id} exited (code {worker.proc.returncode}) before listening")
+    code = await worker.proc.wait()
+    tail = "\n".join(worker.stderr_tail)
+    raise RuntimeError(f"{worker.name} exited (code {code}) before listening; stderr:\n{tail}")
 
 
 async def _drain_output(worker: WorkerProcess) -> None:
-    """Keeps the worker's pipe from filling up; its lines go to our debug log."""
+    """Keeps the worker's stdout pipe from filling up; its lines go to our debug log."""
     assert worker.proc.stdout is not None
     while line := await worker.proc.stdout.readline():
-        log.debug("worker %d: %s", worker.worker_id, line.decode(errors="replace").rstrip())
+        log.debug("%s: %s", worker.name, line.decode(errors="replace").rstrip())
 
 
-async def wait_for_liveness(address: str, timeout_s: float) -> None:
-    import grpc
+async def _drain_stderr(worker: WorkerProcess) -> None:
+    """The worker's log lines: kept (the last few) to explain an exit, and in our debug log."""
+    assert worker.proc.stderr is not None
+    while line := await worker.proc.stderr.readline():
+        text = line.decode(errors="replace").rstrip()
+        worker.stderr_tail.append(text)
+        log.debug("%s stderr: %s", worker.name, text)
+
+
+async def wait_for_liveness(address: str, timeout_s: float, security: ClientSecurity | None = None) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with (security or ClientSecurity()).channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, wait_for_ready=True)
     if reply.status != health_pb2.HealthCheckResponse.SERVING:
         raise RuntimeError(f"worker at {address} is not alive: {reply.status}")
 
 
+def worker_client_security(cfg: SchedulerServiceConfig) -> ClientSecurity:
+    """How the scheduler dials its workers: the same TLS files (its certificate is the client
+    certificate under mutual TLS) and the workers' API key."""
+    return ClientSecurity.from_config(cfg, api_key=cfg.worker_key())
+
+
+async def _ready(worker: WorkerProcess, cfg: ServeConfig) -> None:
+    worker.address = await _listening_address(worker, cfg.worker_start_timeout_s)
+    worker._drains.append(asyncio.create_task(_drain_output(worker)))
+    await wait_for_liveness(worker.address, cfg.worker_start_timeout_s, worker_client_security(cfg))
+
+
 async def start_workers(cfg: ServeConfig) -> list[WorkerProcess]:
-    workers = []
+    workers: list[WorkerProcess] = []
     try:
         for w in range(cfg.workers):
-            proc = await asyncio.create_subprocess_exec(
-                *worker_command(cfg, w), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-            )
-            workers.append(WorkerProcess(w, proc))
-        for worker in workers:
-            worker.address = await _listening_address(worker, cfg.worker_start_timeout_s)
-            worker._drain = asyncio.create_task(_drain_output(worker))
-        await asyncio.gather(*(wait_for_liveness(w.address, cfg.worker_start_timeout_s) for w in workers))
+            workers.append(await spawn_worker(cfg, w))
+        await asyncio.gather(*(_ready(worker, cfg) for worker in workers))
     except BaseException:
         await stop_workers(workers)
         raise
@@ -166,28 +281,98 @@ async def stop_workers(workers: Sequence[WorkerProcess], timeout_s: float = 10.0
         except TimeoutError:
             worker.proc.kill()
             await worker.proc.wait()
-        if worker._drain is not None:
-            worker._drain.cancel()
+        for task in worker._drains:
+            task.cancel()
+
+
+class Supervisor:
+    """Keeps `sluice serve`'s workers running.
+
+    An exit is logged with its code and the tail of the worker's stderr; the worker starts again
+    after a backoff (restart_min_s doubling to restart_max_s; back to the minimum after a minute
+    of uptime) on the port it had, where the scheduler's reconnect loop dials it and takes a new
+    lease. When that port cannot be had the worker starts on a free one and `on_address`
+    (the scheduler's `readdress`) is told."""
+
+    def __init__(self, cfg: ServeConfig, workers: list[WorkerProcess]) -> None:
+        self.cfg = cfg
+        self.workers = workers
+        self.on_address: Callable[[int, str], None] | None = None
+        self.num_restarts = 0
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._watch(w.worker_id)) for w in self.workers]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_workers(self.workers)
+
+    async def _watch(self, worker_id: int) -> None:
+        delay = self.cfg.restart_min_s
+        while not self._stopping:
+            worker = self.workers[worker_id]
+            code = await worker.proc.wait()
+            if self._stopping:
+                return
+            uptime = time.monotonic() - worker.started_at
+            delay = self.cfg.restart_min_s if uptime >= HEALTHY_UPTIME_S else delay
+            tail = "\n    ".join(worker.stderr_tail) or "(nothing)"
+            log.error(
+                "worker %d (%s) exited with code %s after %.1f s; restarting in %.1f s; last stderr lines:\n    %s",
+                worker_id, worker.address, code, uptime, delay, tail,
+            )  # fmt: skip
+            for task in worker._drains:
+                task.cancel()
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self.cfg.restart_max_s)
+            await self._restart(worker)
+
+    async def _restart(self, old: WorkerProcess) -> None:
+        for port in dict.fromkeys((old.port, 0)):
+            worker = await spawn_worker(self.cfg, old.worker_id, port)
+            self.workers[old.worker_id] = worker
+            try:
+                await _ready(worker, self.cfg)
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                log.error("worker %d did not come back on port %d: %s", old.worker_id, port, exc)
+                continue
+            self.num_restarts += 1
+            log.warning("worker %d restarted at %s (pid %d)", old.worker_id, worker.address, worker.proc.pid)
+            if worker.address != old.address and self.on_address is not None:
+                self.on_address(old.worker_id, worker.address)
+            return
 
 
 # ---------------------------------------------------------------- the scheduler
 
 
-async def start_scheduler(cfg: ServeConfig, addresses: Sequence[str]) -> Any:
+async def start_scheduler(cfg: SchedulerServiceConfig, addresses: Sequence[str]) -> Any:
     from scheduler_service.live.service import LiveScheduler
     from scheduler_service.server import SchedulerServer
     from sluice.common.telemetry import setup_tracing
 
     setup_tracing("sluice-scheduler")
+    security = ServerSecurity.from_config(cfg)
     serving = None
     if cfg.metrics_port is not None:
         from sluice.common.prom import ServingMetrics, start_metrics_server
 
-        serving = ServingMetrics(cfg.model)
+        serving = ServingMetrics(getattr(cfg, "model", ""))
         port = start_metrics_server(cfg.metrics_port, serving, cfg.host)
         print(f"sluice metrics on http://{cfg.host}:{port}/metrics", flush=True)
-    live = LiveScheduler(addresses, cfg.live_config(), serving)
-    return await SchedulerServer.start(live, cfg.port, host=cfg.host)
+    live = LiveScheduler(addresses, cfg.live_config(), serving, security=worker_client_security(cfg))
+    return await SchedulerServer.start(live, cfg.port, host=cfg.host, security=security, health_port=cfg.health_port)
+
+
+def _describe(server: Any) -> str:
+    grpc_server = server.grpc
+    health = f"; plaintext health on port {grpc_server.health_port}" if grpc_server.health_port is not None else ""
+    return f"{grpc_server.security.describe()}{health}"
 
 
 def _stop_event() -> asyncio.Event:
@@ -213,14 +398,21 @@ async def _until(stop: asyncio.Event, work: Any) -> None:
 async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
     stop = _stop_event()
     print(f"starting {cfg.workers} {cfg.model} workers on {cfg.device} ...", flush=True)
-    workers = await start_workers(cfg)
+    supervisor = Supervisor(cfg, await start_workers(cfg))
+    predictor = None
     try:
-        server = await start_scheduler(cfg, [w.address for w in workers])
+        predictor = await start_predictor(cfg)
+        if predictor is not None:
+            cfg.predictor = predictor.address
+            print(f"sluice length predictor at {predictor.address}", flush=True)
+        server = await start_scheduler(cfg, [w.address for w in supervisor.workers])
+        supervisor.on_address = server.live.readdress
+        supervisor.start()
         try:
-            where = ", ".join(w.address for w in workers)
+            where = ", ".join(w.address for w in supervisor.workers)
             print(
                 f"sluice scheduler listening on {cfg.host}:{server.port} "
-                f"(policy {cfg.policy}, router {cfg.router}, model {cfg.model}; workers {where})",
+                f"(policy {cfg.policy}, router {cfg.router}, model {cfg.model}; workers {where}) [{_describe(server)}]",
                 flush=True,
             )
             await _until(stop, run_demo(server, cfg, demo) if demo else stop.wait())
@@ -228,16 +420,20 @@ async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
             print("sluice shutting down", flush=True)
             await server.stop(cfg.grace_s)
     finally:
-        await stop_workers(workers)
+        await supervisor.stop()
+        if predictor is not None:
+            await stop_workers([predictor])
     return 0
 
 
-async def serve_scheduler(cfg: ServeConfig) -> int:
+async def serve_scheduler(cfg: SchedulerServiceConfig) -> int:
+    if not cfg.worker:
+        raise ValueError("the scheduler needs workers: give --worker HOST:PORT (or SLUICE_WORKER)")
     stop = _stop_event()
-    server = await start_scheduler(cfg, cfg.worker_addresses)
+    server = await start_scheduler(cfg, cfg.worker)
     print(
         f"sluice scheduler listening on {cfg.host}:{server.port} (policy {cfg.policy}, router {cfg.router}, "
-        f"model {server.live.model}; workers {', '.join(cfg.worker_addresses)})",
+        f"model {server.live.model}; workers {', '.join(cfg.worker)}) [{_describe(server)}]",
         flush=True,
     )
     try:
@@ -275,7 +471,7 @@ def demo_requests(opts: DemoOptions, model: str) -> list[DemoRequest]:
     """A slice of a real trace, lengths scaled and clipped; prompts are windows of real
     ShareGPT text tokenized with the model's tokenizer, cut to the trace's lengths."""
     from scheduler_service.sim.workloads import load_trace
-    from worker_service.tokenizer import Tokenizer
+    from sluice.common.tokenizer import Tokenizer
 
     trace = load_trace(opts.trace, num_requests=opts.num_requests).requests
     corpus = Tokenizer.for_model(model).encode(" ".join(_demo_texts(20)))
@@ -290,13 +486,14 @@ def demo_requests(opts: DemoOptions, model: str) -> list[DemoRequest]:
     return out
 
 
-def _demo_texts(n: int) -> list[str]:
-    import gzip
+DEMO_TEXTS = "prompts/sharegpt_v3_conversations_2k_first_turns.jsonl.gz"  # bundled in data/
 
-    from sluice.common.paths import data_dir
+
+def _demo_texts(n: int) -> list[str]:
+    from sluice.common.paths import data_file, open_text
 
     texts = []
-    with gzip.open(data_dir() / "prompts" / "sharegpt_v3_conversations.jsonl.gz", "rt") as f:
+    with open_text(data_file(DEMO_TEXTS)) as f:
         for line in f:
             turns = json.loads(line).get("conversations", [])
             texts += [t["value"] for t in turns[:2]]
@@ -306,7 +503,6 @@ def _demo_texts(n: int) -> list[str]:
 
 
 async def run_demo(server: Any, cfg: ServeConfig, opts: DemoOptions) -> None:
-    import grpc
     from tqdm import tqdm
 
     from scheduler_service.sim.report import format_table
@@ -325,20 +521,25 @@ async def run_demo(server: Any, cfg: ServeConfig, opts: DemoOptions) -> None:
         msg = generation_pb2.GenerateRequest(
             request_id=f"demo-{i}", token_ids=common_pb2.TokenIds(ids=r.prompt_ids), sampling_params=sampling, slo=slo
         )
-        async for m in stub.Generate(msg):
+        async for m in stub.Generate(msg, metadata=client.metadata):
             tokens += len(m.token_ids)
             bar.set_postfix(tokens=tokens, refresh=False)
         bar.update(1)
 
     loop = asyncio.get_running_loop()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+    client = ClientSecurity.from_config(cfg, api_key=next(iter(split_keys(cfg.api_key)), None))
+    async with client.channel(f"127.0.0.1:{server.port}") as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         start = loop.time()
         await asyncio.gather(*(one(stub, i, r, start) for i, r in enumerate(requests)))
     bar.close()
     metrics = server.live.metrics
     run = SimRun(
-        cfg.policy, f"{opts.trace}[:{len(requests)}] scaled", asdict(cfg), metrics.summary(), metrics.details()
+        cfg.policy,
+        f"{opts.trace}[:{len(requests)}] scaled",
+        redacted(asdict(cfg)),
+        metrics.summary(),
+        metrics.details(),
     )
     print(
         f"live: {len(requests)} requests of {opts.trace} (prompts x{opts.prompt_scale:g} <= {opts.max_prompt}, "
@@ -346,56 +547,27 @@ async def run_demo(server: Any, cfg: ServeConfig, opts: DemoOptions) -> None:
         f"SLO TTFT {opts.ttft_ms:g} ms / TBT {opts.tbt_ms:g} ms, {cfg.workers} x {cfg.model} on {cfg.device}"
     )
     print(format_table([run]))
+    link = server.live.predictor
+    if link is not None:
+        print(
+            f"length predictor: {link.num_applied} of {len(requests)} requests got its prediction while live "
+            f"({link.num_late} answers came after their request ended; the rest fell back to max_tokens)"
+        )
 
 
 # ---------------------------------------------------------------- command lines
 
 
 def add_serve_arguments(p: argparse.ArgumentParser, *, workers: bool) -> None:
-    """Flags default to None so that only those given override the config file."""
-    p.add_argument("--config", help="settings file: JSON, or TOML (.toml); keys are ServeConfig's fields")
-    p.add_argument("--port", type=int, help="scheduler port (default 50051; 0 picks a free one)")
-    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--policy", help="policy[:key=value,...] (default vllm)")
-    p.add_argument("--router", help="router[:key=value,...] (default round_robin)")
-    p.add_argument("--max-waiting", type=int, help="queue bound, all workers (default 256)")
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument("--num-gpu-blocks", type=int, help="KV blocks per worker (default 512)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    """Flags from the config dataclass (ServeConfig for `serve`, SchedulerServiceConfig for
+    `scheduler`); each also reads SLUICE_<NAME> from the environment."""
+    p.add_argument("--config", help="settings file: JSON, or TOML (.toml); keys are the settings' field names")
     if workers:
-        p.add_argument("--workers", type=int, help="worker processes (default 2)")
-        p.add_argument("--model", help="model preset or checkpoint folder (default tiny-llama)")
-        p.add_argument("--device", help="cpu or cuda (default cpu)")
+        add_config_arguments(p, ServeConfig, exclude=("worker",))
         p.add_argument("--demo", action="store_true", help="replay a slice of azure-conv against itself, then exit")
         p.add_argument("--demo-requests", type=int, default=40)
     else:
-        p.add_argument("--worker", action="append", required=True, help="HOST:PORT of a running worker; repeat")
-
-
-_FLAGS = (
-    "port",
-    "host",
-    "policy",
-    "router",
-    "max_waiting",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "num_gpu_blocks",
-    "metrics_port",
-    "workers",
-    "model",
-    "device",
-)
-
-
-def _config_from(args: argparse.Namespace) -> ServeConfig:
-    overrides = {name: getattr(args, name, None) for name in _FLAGS}
-    if getattr(args, "worker", None):
-        from scheduler_service.server import worker_addresses
-
-        overrides["worker_addresses"] = worker_addresses(args.worker)
-    return load_config(args.config, overrides)
+        add_config_arguments(p, SchedulerServiceConfig)
 
 
 def _logging() -> None:
@@ -404,11 +576,11 @@ def _logging() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     _logging()
-    cfg = _config_from(args)
+    cfg = config_from(ServeConfig, args, file=args.config, exclude=("worker",))
     demo = DemoOptions(num_requests=args.demo_requests) if args.demo else None
     return asyncio.run(serve(cfg, demo))
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
     _logging()
-    return asyncio.run(serve_scheduler(_config_from(args)))
+    return asyncio.run(serve_scheduler(config_from(SchedulerServiceConfig, args, file=args.config)))

@@ -1,0 +1,85 @@
+"""`sluice worker`: one worker service (the torch engine, or the echo engine for load tests).
+
+    sluice worker --model tiny-llama --port 50061 [--device cuda] [--engine echo]
+
+Its flags (and SLUICE_<NAME> variables) are WorkerConfig's fields: the engine's (EngineConfig),
+the Warmup defaults (WarmupDefaults), the security every server shares (SecurityConfig: api_key,
+tls_cert, tls_key, tls_ca, health_port) and the server's own below. Secrets are never logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any
+
+from sluice.common.config import add_config_arguments, config_from, opt, subset
+from sluice.common.security import SecurityConfig, ServerSecurity, redacted
+from worker_service.engine import EngineConfig
+from worker_service.lease import DEFAULT_LEASE_TTL_S
+from worker_service.server import WarmupDefaults, WorkerServerOptions
+
+
+@dataclass
+class WorkerConfig(SecurityConfig, WarmupDefaults, EngineConfig):
+    host: str = opt("127.0.0.1", "address to listen on (loopback unless told otherwise)")
+    port: int = opt(50061, "port to listen on (0 picks a free one)")
+    lease_ttl_s: float = opt(
+        DEFAULT_LEASE_TTL_S, "a scheduler's lease on this worker lapses this long after its last call"
+    )
+    metrics_port: int | None = opt(None, "serve Prometheus /metrics on this port (on --host)")
+    worker_id: int = opt(0, "this worker's id in the scheduler's logs and traces")
+    threads: int = opt(0, "torch intra-op threads on CPU; 0: torch's default")
+    engine: str = opt("torch", "torch: run the model; echo (or none): check plans and answer synthetic tokens")
+    echo_step_ms: float = opt(0.0, "with --engine echo: sleep this long per step")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sluice worker", description="Serve one model engine over gRPC.")
+    p.add_argument("--config", help="settings file: JSON, or TOML (.toml); keys are the settings' field names")
+    add_config_arguments(p, WorkerConfig)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import torch
+
+    from worker_service.engine import LLMEngine
+    from worker_service.server import serve
+
+    args = parse_args(argv)
+    cfg = config_from(WorkerConfig, args, file=args.config)
+    if cfg.engine not in ("torch", "echo", "none"):
+        raise SystemExit(f"error: --engine must be torch, echo or none, got {cfg.engine!r}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.threads:
+        # NOTE: on a CPU shared with other processes, fewer OpenMP threads than cores avoids
+        # barrier stalls that made the same steps up to 40x slower (docs/RESULTS.md, worker section).
+        torch.set_num_threads(cfg.threads)
+    logging.getLogger("sluice.worker").info("worker config: %s", redacted(asdict(cfg)))
+    factory: Callable[[EngineConfig], Any] = LLMEngine
+    if cfg.engine in ("echo", "none"):
+        from worker_service.echo_engine import EchoEngine
+
+        factory = partial(EchoEngine, step_time_s=cfg.echo_step_ms / 1e3)
+    engine_config, defaults = subset(EngineConfig, cfg), subset(WarmupDefaults, cfg)
+    try:
+        options = WorkerServerOptions(ServerSecurity.from_config(cfg), cfg.health_port, cfg.lease_ttl_s)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    server = serve(
+        engine_config,
+        cfg.port,
+        host=cfg.host,
+        worker_id=cfg.worker_id,
+        defaults=defaults,
+        engine_factory=factory,
+        options=options,
+        metrics_port=cfg.metrics_port,
+    )
+    asyncio.run(server)
+    return 0
