@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: demo sim test lint protos install
+.PHONY: demo sim test lint protos install images
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,3 +39,14 @@ lint: $(VENV)/.installed
 # Regenerate the committed gRPC code under sluice/v1/ from protos/.
 protos: $(VENV)/.installed
 	$(PY) tools/gen_protos.py
+
+# Container images (deploy/docker/; needs a Docker engine). `make images IMAGES="scheduler worker-cpu"`
+# builds a few; tags are sluice-<name>:$(IMAGE_TAG), the names docker-compose.yml uses.
+DOCKER ?= docker
+IMAGE_TAG ?= latest
+IMAGES ?= scheduler worker-cpu worker-cuda predictor-cpu predictor-cuda
+images:
+	@for name in $(IMAGES); do \
+		echo "== sluice-$$name:$(IMAGE_TAG)"; \
+		$(DOCKER) build -f deploy/docker/$$name.Dockerfile -t sluice-$$name:$(IMAGE_TAG) . || exit 1; \
+	done
