@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from kvstore.accounting import KVCacheManager
 from scheduler_service import policies  # noqa: F401  (registration)
-from scheduler_service.core.plan import StepPlan, StepResult
 from scheduler_service.core.policy import PolicyContext, build_policy
 from scheduler_service.core.request import Request
-from scheduler_service.core.sampling import SamplingParams
 from scheduler_service.core.scheduler import Scheduler, SchedulerConfig, StepOutputs
 from scheduler_service.core.slo import NO_SLO, SLOSpec
+from sluice.contract.plan import StepPlan, StepResult
+from sluice.contract.sampling import SamplingParams
 
 EOS = 0
 TOKEN = 7
@@ -25,10 +25,12 @@ def make_scheduler(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 64,
     max_model_len: int = 256,
-    extras: dict | None = None,
+    tbt_slo_s: float | None = None,
+    int8_swap: bool = False,
+    prefix_caching: bool = False,
     **config: object,
 ) -> Scheduler:
-    kv = KVCacheManager(num_gpu_blocks, num_cpu_blocks, block_size)
+    kv = KVCacheManager(num_gpu_blocks, num_cpu_blocks, block_size, prefix_caching=prefix_caching)
     ctx = PolicyContext(
         worker_id=0,
         block_size=block_size,
@@ -37,7 +39,8 @@ def make_scheduler(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        extras=extras or {},
+        tbt_slo_s=tbt_slo_s,
+        int8_swap=int8_swap,
     )
     sched_cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -99,3 +102,21 @@ def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[StepPla
         plans.append(plan)
         now += 0.01
     raise AssertionError("requests did not finish")
+
+
+class LeasedStub:
+    """A WorkerService stub whose calls carry the lease's session (the `x-sluice-session`
+    metadata a Warmup answered), as the scheduler's RemoteWorker sends it."""
+
+    def __init__(self, stub: object, session_id: str, extra: tuple[tuple[str, str], ...] = ()) -> None:
+        self.stub = stub
+        self.metadata = (("x-sluice-session", session_id), *extra)
+
+    def __getattr__(self, name: str) -> object:
+        method = getattr(self.stub, name)
+
+        def call(*args: object, **kwargs: object) -> object:
+            kwargs.setdefault("metadata", self.metadata)
+            return method(*args, **kwargs)
+
+        return call

@@ -4,6 +4,7 @@ mid-run leaves every admitted request finished on the other worker."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import re
@@ -13,7 +14,9 @@ import sys
 import grpc
 import pytest
 
-from services.serve import ServeConfig, load_config, start_scheduler, start_workers, stop_workers
+from scheduler_service.live.config import LiveConfig
+from services.serve import ServeConfig, add_serve_arguments, start_scheduler, start_workers, stop_workers
+from sluice.common.config import config_from
 from sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -91,14 +94,26 @@ async def test_a_killed_worker_process_leaves_every_admitted_request_finished_on
     assert not any(_alive(w.proc.pid) for w in workers)
 
 
-def test_settings_come_from_defaults_then_the_config_file_then_the_flags(tmp_path) -> None:
+def _serve_settings(argv: list[str], environ: dict[str, str] | None = None) -> ServeConfig:
+    """What `sluice serve ARGV` would run with, under `environ`."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser, workers=True)
+    args = parser.parse_args(argv)
+    return config_from(ServeConfig, args, file=args.config, environ=environ or {}, exclude=("worker",))
+
+
+def test_settings_come_from_defaults_then_the_config_file_then_the_environment_then_the_flags(tmp_path) -> None:
     toml = tmp_path / "serve.toml"
-    toml.write_text('workers = 3\npolicy = "sarathi:budget=256"\nmax-waiting = 64\n')
-    cfg = load_config(str(toml), {"policy": "vllm", "port": None})
-    assert (cfg.workers, cfg.policy, cfg.max_waiting, cfg.port) == (3, "vllm", 64, ServeConfig().port)
+    toml.write_text('workers = 3\npolicy = "sarathi:budget=256"\nmax-waiting = 64\nrouter = "least_work"\n')
+    cfg = _serve_settings(["--config", str(toml), "--policy", "vllm"], {"SLUICE_MAX_WAITING": "32", "SLUICE_PORT": "0"})
+    assert (cfg.workers, cfg.policy, cfg.max_waiting, cfg.port, cfg.router) == (3, "vllm", 32, 0, "least_work")
+    assert cfg.max_num_seqs == LiveConfig().max_num_seqs, "serve shares the live scheduler's defaults"
     js = tmp_path / "serve.json"
     js.write_text('{"model": "tiny-opt", "num_gpu_blocks": 32}')
-    assert (load_config(str(js), {}).model, load_config(str(js), {}).num_gpu_blocks) == ("tiny-opt", 32)
+    cfg = _serve_settings(["--config", str(js), "--no-int8-swap", "--max-num-batched-tokens", "none"])
+    assert (cfg.model, cfg.num_gpu_blocks, cfg.int8_swap, cfg.max_num_batched_tokens) == ("tiny-opt", 32, False, None)
     js.write_text('{"wokers": 2}')
     with pytest.raises(ValueError, match="wokers"):
-        load_config(str(js), {})
+        _serve_settings(["--config", str(js)])
+    with pytest.raises(ValueError, match="SLUICE_MAX_WAITING: not an integer"):
+        _serve_settings([], {"SLUICE_MAX_WAITING": "lots"})

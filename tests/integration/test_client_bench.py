@@ -10,7 +10,6 @@ import pytest
 
 from scheduler_service.core.metrics import METRIC_KEYS, MetricsRecorder
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.sampling import SamplingParams
 from scheduler_service.core.slo import NO_SLO, SLOSpec
 from scheduler_service.sim.workloads import load_trace
 from services.bench import (
@@ -22,6 +21,7 @@ from services.bench import (
     summarize,
 )
 from sluice.common.client import Timings
+from sluice.contract.sampling import SamplingParams
 
 SLO = SLOSpec(ttft_s=0.5, tbt_s=0.1)
 
@@ -36,20 +36,36 @@ def record(rid: str, sent: float, times: list[float], slo: SLOSpec = SLO, **kw: 
     return rec
 
 
-def test_prepare_requests_clips_a_real_trace_to_the_model_context(shared_data) -> None:
+def test_prepare_requests_clips_a_real_trace_to_the_model_context() -> None:
     workload = load_trace("arxiv", num_requests=40)
-    requests = prepare_requests(workload, 2048, max_tokens=64)
+    requests = prepare_requests(workload, 2048, max_tokens=64, oracle_lengths=True)
     assert len(requests) == 40
     assert any(tr.prompt_tokens > 2047 for tr in workload.requests), "the slice must exercise clipping"
     for tr, r in zip(workload.requests, requests, strict=True):
         assert r.num_prompt_tokens == min(tr.prompt_tokens, 2047)
         assert 1 <= r.max_tokens <= min(tr.output_tokens, 64, 2048 - r.num_prompt_tokens)
+        assert r.ignore_eos, "oracle lengths run to exactly the trace's length"
         assert isinstance(r.prompt, tuple) and len(r.prompt) == r.num_prompt_tokens
         assert all(PROMPT_TOKEN_BASE <= t < PROMPT_TOKEN_BASE + PROMPT_TOKEN_SPAN for t in r.prompt)
     assert requests[0].prompt != requests[1].prompt[: len(requests[0].prompt)], "prompts differ between requests"
 
 
-def test_prepare_requests_needs_text_when_asked_for_it(shared_data) -> None:
+def test_prepare_requests_hides_the_true_length_unless_told() -> None:
+    workload = load_trace("azure-conv", num_requests=40)
+    blind = prepare_requests(workload, 2048)
+    capped = prepare_requests(workload, 2048, max_tokens=300)
+    assert len({tr.output_tokens for tr in workload.requests}) > 10, "the slice must have varied lengths"
+    for r, c in zip(blind, capped, strict=True):
+        assert r.max_tokens == 2048 - r.num_prompt_tokens, "max_tokens is the context left, not the true length"
+        assert c.max_tokens == min(300, 2048 - c.num_prompt_tokens)
+        assert not r.ignore_eos and not c.ignore_eos, "the model decides when to stop"
+    oracle = prepare_requests(workload, 2048, oracle_lengths=True)
+    assert [r.max_tokens for r in oracle] == [
+        min(tr.output_tokens, 2048 - r.num_prompt_tokens) for tr, r in zip(workload.requests, oracle, strict=True)
+    ]
+
+
+def test_prepare_requests_needs_text_when_asked_for_it() -> None:
     workload = load_trace("arxiv", num_requests=2)
     with pytest.raises(ValueError, match="no prompt text"):
         prepare_requests(workload, 2048, prompt_source="text")

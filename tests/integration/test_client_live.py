@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from grpc_health.v1 import health
 
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
@@ -21,17 +20,16 @@ from services.bench import prepare_requests, run_requests, summarize
 from sluice.common.client import SluiceClient
 from worker_service.echo_engine import ECHO_FIRST_TOKEN, EchoEngine
 from worker_service.engine import EngineConfig
-from worker_service.server import build_server, start_health
+from worker_service.server import build_server
 
 NUM_GPU_BLOCKS = 1024
 
 
 @pytest.fixture(scope="module")
 async def client() -> AsyncIterator[SluiceClient]:
-    health_servicer = health.aio.HealthServicer()
-    worker, port = build_server(EchoEngine(EngineConfig()), 0, health_servicer=health_servicer)
-    await start_health(health_servicer)
-    await worker.start()
+    worker = build_server(EchoEngine(EngineConfig()), 0)
+    await worker.start(ready=False)
+    port = worker.port
     live = LiveScheduler(
         [f"127.0.0.1:{port}"], LiveConfig(num_gpu_blocks=NUM_GPU_BLOCKS, max_num_seqs=32, max_num_batched_tokens=2048)
     )
@@ -40,7 +38,7 @@ async def client() -> AsyncIterator[SluiceClient]:
         await c.wait_ready()
         yield c
     await scheduler.stop(grace_s=1.0, drain_s=0.0)
-    await worker.stop(None)
+    await worker.server.stop(None)
 
 
 async def wait_idle(client: SluiceClient, timeout_s: float = 5.0) -> None:
@@ -114,7 +112,7 @@ async def test_server_info_describes_policy_model_and_workers(client: SluiceClie
 
 async def test_bench_closed_and_open_loop_count_every_request_with_its_length(client: SluiceClient) -> None:
     workload = load_trace("azure-conv", num_requests=24)
-    requests = prepare_requests(workload, 2048, max_tokens=8, prompt_source="tokens")
+    requests = prepare_requests(workload, 2048, max_tokens=8, prompt_source="tokens", oracle_lengths=True)
     records = await run_requests(client, requests, concurrency=6, progress=False)
     assert [len(r.token_times) for r in records] == [r.max_tokens for r in requests], [
         (r.error_code, r.finish_reason, r.message) for r in records if not r.token_times
@@ -124,7 +122,9 @@ async def test_bench_closed_and_open_loop_count_every_request_with_its_length(cl
     assert (run.metrics["num_finished"], run.metrics["num_requests"]) == (24, 24)
     assert run.metrics["throughput_tok_s"] > 0 and run.metrics["ttft_s"]["p50"] > 0
 
-    timed = prepare_requests(apply_arrivals(workload, "poisson", rate=200.0, seed=1), 2048, max_tokens=4)
+    timed = prepare_requests(
+        apply_arrivals(workload, "poisson", rate=200.0, seed=1), 2048, max_tokens=4, oracle_lengths=True
+    )
     records = await run_requests(client, timed, progress=False)
     sent = [r.sent_s for r in sorted(records, key=lambda r: r.request.arrival_s)]
     arrivals = sorted(r.arrival_s for r in timed)

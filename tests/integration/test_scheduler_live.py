@@ -19,21 +19,21 @@ import grpc
 import pytest
 import torch
 from google.rpc import error_details_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
-from scheduler_service.core.plan import CachedRequestData, NewRequestData, StepPlan
-from scheduler_service.core.sampling import SamplingParams
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
-from scheduler_service.plan_codec import CHANNEL_OPTIONS
 from scheduler_service.server import SERVICE_NAME, SchedulerServer
+from sluice.common.grpc_server import CHANNEL_OPTIONS
+from sluice.common.paths import data_file, open_text
+from sluice.common.tokenizer import Tokenizer
+from sluice.contract.plan import CachedRequestData, NewRequestData, StepPlan
+from sluice.contract.sampling import SamplingParams
 from sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine
 from worker_service.server import build_server as build_worker_server
-from worker_service.server import start_health as start_worker_health
-from worker_service.tokenizer import Tokenizer
 
 # NOTE: several engines share two cores with other jobs; one intra-op thread each avoids
 # OpenMP barrier stalls that make steps many times slower.
@@ -65,11 +65,10 @@ class Worker:
 
 async def start_worker(worker_id: int, port: int = 0, eng: LLMEngine | None = None) -> Worker:
     eng = eng or engine()
-    health_servicer = health.aio.HealthServicer()
-    server, bound = build_worker_server(eng, port, worker_id=worker_id, health_servicer=health_servicer)
-    await start_worker_health(health_servicer)
-    await server.start()
-    return Worker(eng, server, bound)
+    server = build_worker_server(eng, port, worker_id=worker_id)
+    await server.start(ready=False)
+    bound = server.port
+    return Worker(eng, server.server, bound)
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +85,10 @@ def tokenizer() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def prompts(shared_data, tokenizer: Tokenizer) -> list[str]:
+def prompts(tokenizer: Tokenizer) -> list[str]:
     """Real instructions (CodeAlpaca), short and long."""
-    rows = json.loads((shared_data / "prompts" / "codealpaca_code_alpaca_2k.json").read_text())
+    with open_text(data_file("prompts/codealpaca_code_alpaca_2k.json")) as f:
+        rows = json.load(f)
     texts = [f"{r['instruction']} {r['input']}".strip() for r in rows[:200]]
     return [t for t in texts if 4 <= len(tokenizer.encode(t)) <= 120][:50]
 
@@ -448,3 +448,34 @@ async def test_health_reflection_and_server_info(workers: list[Worker]) -> None:
     assert (info.policy, info.router, info.model) == ("sarathi:budget=64", "round_robin", "tiny-llama")
     assert (info.max_model_len, info.max_waiting, info.block_size) == (2048, 32, BLOCK)
     assert [(w.healthy, w.num_gpu_blocks, w.role) for w in info.workers] == [(True, 64, "mixed")] * 2
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+async def test_requests_sharing_a_system_prompt_reuse_its_kv_and_get_the_tokens_of_the_engine_alone(
+    prefix_caching: bool, workers: list[Worker], prompts: list[str], tokenizer: Tokenizer, reference: LLMEngine
+) -> None:
+    system = tokenizer.encode(" ".join(prompts[:6]))[:64]  # 4 full blocks shared by every request
+    questions = [tokenizer.encode(p)[:20] for p in prompts[6:12]]
+    expected = [run_alone(reference, system + q, 6) for q in questions]
+    async with scheduler([workers[0].address], prefix_caching=prefix_caching, policy="vllm") as client:
+        first = await client.generate(
+            request_id="warm",
+            token_ids=common_pb2.TokenIds(ids=system + questions[0]),
+            sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=6),
+        )
+        assert ids_of(first) == expected[0]
+        results = await asyncio.gather(
+            *(
+                client.generate(
+                    request_id=f"s{i}",
+                    token_ids=common_pb2.TokenIds(ids=system + q),
+                    sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=6),
+                )
+                for i, q in enumerate(questions)
+            )
+        )
+        assert [ids_of(r) for r in results] == expected
+        metrics = client.server.live.metrics
+        hit = metrics.prefix_hit_tokens
+        assert hit >= (64 * len(questions) if prefix_caching else 0) and (hit > 0) == prefix_caching
+        await client.wait_until_idle()

@@ -9,14 +9,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from grpc_health.v1 import health
+from harness import LeasedStub
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from scheduler_service.core.plan import CachedRequestData, NewRequestData, StepPlan
-from scheduler_service.core.sampling import SamplingParams
-from scheduler_service.plan_codec import CHANNEL_OPTIONS, plan_to_proto, result_from_proto
+from sluice.common.grpc_server import CHANNEL_OPTIONS
 from sluice.common.telemetry import (
     RequestTrace,
     TraceparentTable,
@@ -26,9 +24,12 @@ from sluice.common.telemetry import (
     step_span,
     tracing_enabled,
 )
+from sluice.contract.plan import CachedRequestData, NewRequestData, StepPlan
+from sluice.contract.plan_codec import plan_to_proto, result_from_proto
+from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine
-from worker_service.server import build_server, start_health
+from worker_service.server import build_server
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPT = tuple(range(1000, 1020))  # 20 tokens: two blocks of 16
@@ -159,20 +160,19 @@ def engine() -> LLMEngine:
 
 
 @pytest.fixture
-async def stub(exporter: InMemorySpanExporter, engine: LLMEngine) -> AsyncIterator[worker_pb2_grpc.WorkerServiceStub]:
+async def stub(exporter: InMemorySpanExporter, engine: LLMEngine) -> AsyncIterator[LeasedStub]:
     assert tracing_enabled()
-    health_servicer = health.aio.HealthServicer()
-    server, port = build_server(engine, 0, worker_id=5, health_servicer=health_servicer)
-    await start_health(health_servicer)
-    await server.start()
+    server = build_server(engine, 0, worker_id=5)
+    await server.start(ready=False)
+    port = server.port
     channel = grpc.aio.insecure_channel(
         f"127.0.0.1:{port}", options=CHANNEL_OPTIONS, interceptors=grpc_client_interceptors()
     )
     async with channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        await stub.Warmup(worker_pb2.WarmupRequest(num_gpu_blocks_override=16, swap_space_gib=0.001))
-        yield stub
-    await server.stop(None)
+        warm = await stub.Warmup(worker_pb2.WarmupRequest(num_gpu_blocks_override=16, swap_space_gib=0.001))
+        yield LeasedStub(stub, warm.session_id)
+    await server.server.stop(None)
 
 
 def step_plan(step_id: int, scheduled: dict[str, int], sample: tuple[str, ...], new=(), cached=None) -> StepPlan:
@@ -187,7 +187,7 @@ def step_plan(step_id: int, scheduled: dict[str, int], sample: tuple[str, ...], 
 
 
 async def test_worker_step_spans_link_to_the_request_span_across_grpc(
-    spans: InMemorySpanExporter, stub: worker_pb2_grpc.WorkerServiceStub
+    spans: InMemorySpanExporter, stub: LeasedStub
 ) -> None:
     tracer = trace.get_tracer("test")
     rt = RequestTrace("traced", {"model": "tiny-llama", "max_tokens": 8})
@@ -233,9 +233,7 @@ async def test_worker_step_spans_link_to_the_request_span_across_grpc(
     assert server_span.context.trace_id == session.get_span_context().trace_id
 
 
-async def test_released_requests_stop_being_linked(
-    spans: InMemorySpanExporter, stub: worker_pb2_grpc.WorkerServiceStub
-) -> None:
+async def test_released_requests_stop_being_linked(spans: InMemorySpanExporter, stub: LeasedStub) -> None:
     rt = RequestTrace("short", {})
     new = NewRequestData("short", PROMPT[:4], 4, GREEDY, (0,), traceparent=rt.traceparent())
     release = StepPlan(
@@ -265,10 +263,9 @@ async def test_one_trace_runs_from_the_client_through_the_scheduler_to_the_worke
     from sluice.common.client import SluiceClient
     from worker_service.echo_engine import EchoEngine
 
-    health_servicer = health.aio.HealthServicer()
-    worker, port = build_server(EchoEngine(EngineConfig()), 0, worker_id=0, health_servicer=health_servicer)
-    await start_health(health_servicer)
-    await worker.start()
+    worker = build_server(EchoEngine(EngineConfig()), 0, worker_id=0)
+    await worker.start(ready=False)
+    port = worker.port
     live = LiveScheduler([f"127.0.0.1:{port}"], LiveConfig(num_gpu_blocks=64, max_num_batched_tokens=2048))
     scheduler = await SchedulerServer.start(live, 0)
     spans.clear()
@@ -279,7 +276,7 @@ async def test_one_trace_runs_from_the_client_through_the_scheduler_to_the_worke
         assert done.completion_tokens == 5
     finally:
         await scheduler.stop(grace_s=1.0, drain_s=0.0)
-        await worker.stop(None)
+        await worker.server.stop(None)
 
     finished = spans.get_finished_spans()
     (request,) = [s for s in finished if dict(s.attributes or {}).get("gen_ai.request.id") == "chain"]

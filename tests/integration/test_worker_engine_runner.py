@@ -11,15 +11,17 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from harness import LeasedStub
 
-from scheduler_service.core.plan import CachedRequestData, NewRequestData, StepPlan
-from scheduler_service.core.sampling import SamplingParams
-from scheduler_service.plan_codec import CHANNEL_OPTIONS, PlanSender
+from sluice.common.grpc_server import CHANNEL_OPTIONS
+from sluice.contract.plan import CachedRequestData, NewRequestData, StepPlan
+from sluice.contract.plan_codec import PlanSender
+from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.echo_engine import EchoEngine
 from worker_service.engine import EngineConfig
-from worker_service.server import SERVICE_NAME, EngineRunner, build_server, start_health
+from worker_service.server import SERVICE_NAME, EngineRunner, build_server
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
@@ -32,33 +34,32 @@ def plans(count: int) -> list[StepPlan]:
     return [first, *decodes]
 
 
-async def serve_echo(step_time_s: float) -> AsyncIterator[tuple[grpc.aio.Channel, EngineRunner]]:
-    health_servicer = health.aio.HealthServicer()
+async def serve_echo(step_time_s: float) -> AsyncIterator[tuple[grpc.aio.Channel, EngineRunner, LeasedStub]]:
     engine = EchoEngine(EngineConfig(model="tiny-llama"), step_time_s=step_time_s)
     runner = EngineRunner(engine)
-    server, port = build_server(engine, 0, health_servicer=health_servicer, runner=runner)
-    await start_health(health_servicer)
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
-        await worker_pb2_grpc.WorkerServiceStub(channel).Warmup(worker_pb2.WarmupRequest(num_gpu_blocks_override=16))
-        yield channel, runner
-    await server.stop(None)
+    server = build_server(engine, 0, runner=runner)
+    await server.start(ready=False)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        warm = await stub.Warmup(worker_pb2.WarmupRequest(num_gpu_blocks_override=16))
+        yield channel, runner, LeasedStub(stub, warm.session_id)
+    await server.server.stop(None)
 
 
 @pytest.fixture
-async def fast() -> AsyncIterator[tuple[grpc.aio.Channel, EngineRunner]]:
+async def fast() -> AsyncIterator[tuple[grpc.aio.Channel, EngineRunner, LeasedStub]]:
     async for pair in serve_echo(0.0):
         yield pair
 
 
 @pytest.fixture
-async def slow() -> AsyncIterator[tuple[grpc.aio.Channel, EngineRunner]]:
+async def slow() -> AsyncIterator[tuple[grpc.aio.Channel, EngineRunner, LeasedStub]]:
     async for pair in serve_echo(0.4):
         yield pair
 
 
-async def run_steps(channel: grpc.aio.Channel, steps: list[StepPlan]) -> None:
-    call = worker_pb2_grpc.WorkerServiceStub(channel).Execute()
+async def run_steps(stub: LeasedStub, steps: list[StepPlan]) -> None:
+    call = stub.Execute()
     sender = PlanSender()
     for plan in steps:
         await call.write(sender.encode(plan))
@@ -67,18 +68,20 @@ async def run_steps(channel: grpc.aio.Channel, steps: list[StepPlan]) -> None:
     await call.done_writing()
 
 
-async def test_short_steps_run_on_the_event_loop_after_the_first(fast: tuple[grpc.aio.Channel, EngineRunner]) -> None:
-    channel, runner = fast
-    await run_steps(channel, plans(6))
+async def test_short_steps_run_on_the_event_loop_after_the_first(
+    fast: tuple[grpc.aio.Channel, EngineRunner, LeasedStub],
+) -> None:
+    _, runner, stub = fast
+    await run_steps(stub, plans(6))
     assert (runner.thread_steps, runner.inline_steps) == (1, 5), "only the step with no history used the thread"
 
 
 async def test_a_long_step_runs_on_the_thread_and_health_is_answered_meanwhile(
-    slow: tuple[grpc.aio.Channel, EngineRunner],
+    slow: tuple[grpc.aio.Channel, EngineRunner, LeasedStub],
 ) -> None:
-    channel, runner = slow
+    channel, runner, stub = slow
     prefill, decode = plans(2)
-    call = worker_pb2_grpc.WorkerServiceStub(channel).Execute()
+    call = stub.Execute()
     sender = PlanSender()
     await call.write(sender.encode(prefill))
     assert sender.decode(await call.read(), prefill).error is None  # history: 0.4 s for 8 tokens

@@ -9,15 +9,17 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from harness import LeasedStub
 
-from scheduler_service.core.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
-from scheduler_service.core.sampling import SamplingParams
-from scheduler_service.plan_codec import CHANNEL_OPTIONS, PlanSender, plan_to_proto, result_from_proto
+from sluice.common.grpc_server import CHANNEL_OPTIONS, GrpcServer
+from sluice.contract.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
+from sluice.contract.plan_codec import PlanSender, plan_to_proto, result_from_proto
+from sluice.contract.sampling import SamplingParams
 from sluice.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine
-from worker_service.server import SERVICE_NAME, WarmupParams, build_kv_cache, build_server, shutdown, start_health
+from worker_service.server import SERVICE_NAME, WarmupParams, build_kv_cache, build_server
 
 NUM_GPU_BLOCKS = 32
 SWAP_GIB = 0.001  # 65 CPU blocks of the tiny model
@@ -39,19 +41,22 @@ def reference() -> LLMEngine:
 
 
 class Worker:
-    """Client side of one in-process worker server."""
+    """Client side of one in-process worker server; after `warmup` its stub carries the lease."""
 
-    def __init__(self, channel: grpc.aio.Channel, health_servicer: health.aio.HealthServicer, server: grpc.aio.Server):
-        self.stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    def __init__(self, channel: grpc.aio.Channel, server: GrpcServer):
+        self.raw = worker_pb2_grpc.WorkerServiceStub(channel)
+        self.stub: worker_pb2_grpc.WorkerServiceStub | LeasedStub = self.raw
         self.health = health_pb2_grpc.HealthStub(channel)
         self.reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-        self.health_servicer = health_servicer
         self.server = server
 
-    async def warmup(self) -> worker_pb2.WarmupResponse:
-        return await self.stub.Warmup(
-            worker_pb2.WarmupRequest(num_gpu_blocks_override=NUM_GPU_BLOCKS, swap_space_gib=SWAP_GIB)
+    async def warmup(self, **fields: float) -> worker_pb2.WarmupResponse:
+        request = worker_pb2.WarmupRequest(
+            **{"num_gpu_blocks_override": NUM_GPU_BLOCKS, "swap_space_gib": SWAP_GIB, **fields}
         )
+        warm = await self.stub.Warmup(request)
+        self.stub = LeasedStub(self.raw, warm.session_id)
+        return warm
 
     async def readiness(self, service: str = SERVICE_NAME) -> int:
         return (await self.health.Check(health_pb2.HealthCheckRequest(service=service))).status
@@ -59,13 +64,12 @@ class Worker:
 
 @pytest.fixture
 async def worker(engine: LLMEngine) -> AsyncIterator[Worker]:
-    health_servicer = health.aio.HealthServicer()
-    server, port = build_server(engine, 0, worker_id=3, health_servicer=health_servicer)
-    await start_health(health_servicer)
-    await server.start()
+    server = build_server(engine, 0, worker_id=3)
+    await server.start(ready=False)
+    port = server.port
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
-        yield Worker(channel, health_servicer, server)
-    await server.stop(None)
+        yield Worker(channel, server)
+    await server.server.stop(None)
 
 
 class StepStream:
@@ -195,6 +199,7 @@ async def test_warmup_without_override_measures_capacity(worker: Worker, engine:
     warm = await worker.stub.Warmup(
         worker_pb2.WarmupRequest(gpu_memory_utilization=0.005, swap_space_gib=SWAP_GIB, max_num_batched_tokens=256)
     )
+    assert warm.session_id and warm.lease_ttl_s > 0
     assert warm.num_gpu_blocks > 0
     assert warm.peak_activation_bytes > 0
     assert engine.cache is not None and engine.cache.num_gpu_blocks == warm.num_gpu_blocks
@@ -207,12 +212,12 @@ async def test_warmup_rejects_a_bad_memory_share_naming_the_field(worker: Worker
     assert "gpu_memory_utilization" in info.value.details()
 
 
-async def test_a_step_before_warmup_is_answered_unavailable(worker: Worker) -> None:
+async def test_a_step_before_warmup_is_refused_for_want_of_a_lease(worker: Worker) -> None:
     stream = StepStream(worker.stub)
-    result = await stream.step(opening_plans()[0])
-    assert result.error is not None and result.error.code == "UNAVAILABLE"
-    assert "Warmup" in result.error.message
-    await stream.close()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stream.step(opening_plans()[0])
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "Warmup" in info.value.details()
 
 
 async def test_plans_over_grpc_sample_the_same_tokens_as_the_engine_directly(
@@ -268,8 +273,9 @@ async def test_kv_moves_report_swap_bytes(worker: Worker, reference: LLMEngine) 
     await stream.close()
 
 
-def malformed_plans() -> list[tuple[str, worker_pb2.ExecuteRequest, str, str]]:
-    """(what, message, request at fault, text the error must contain)."""
+def malformed_plans() -> list[tuple[str, worker_pb2.ExecuteRequest, str, str, str]]:
+    """(what, message, request at fault, text the error must contain, code). A block another
+    request holds is ABORTED: the plan is well formed, the states diverged."""
     ghost = plan(90, {"ghost": 1}, sample=["ghost"])
     out_of_range = plan(91, {"c": 4}, sample=["c"], new=[new_request("c", (5, 6, 7, 8), (999,), GREEDY)])
     duplicate = plan(92, {"d": 4}, sample=["d"], new=[new_request("d", (5, 6, 7, 8), (0,), GREEDY)])
@@ -277,11 +283,11 @@ def malformed_plans() -> list[tuple[str, worker_pb2.ExecuteRequest, str, str]]:
     bad_sampling = plan_to_proto(plan(94, {"e": 2}, sample=["e"], new=[new_request("e", (5, 6), (20,), GREEDY)]))
     bad_sampling.new_requests[0].sampling_params.CopyFrom(common_pb2.SamplingParams(top_p=0.0))
     return [
-        ("unknown request", plan_to_proto(ghost), "ghost", "unknown"),
-        ("block id out of range", plan_to_proto(out_of_range), "c", "GPU block 999 out of range"),
-        ("block owned by another request", plan_to_proto(duplicate), "d", "given to both 'a' and 'd'"),
-        ("uneven columns", uneven, "", "num_scheduled_tokens"),
-        ("bad sampling parameters", bad_sampling, "", "new_requests[e].sampling_params.top_p"),
+        ("unknown request", plan_to_proto(ghost), "ghost", "unknown", "INVALID_ARGUMENT"),
+        ("block id out of range", plan_to_proto(out_of_range), "c", "GPU block 999 out of range", "INVALID_ARGUMENT"),
+        ("block owned by another request", plan_to_proto(duplicate), "d", "given to both 'a' and 'd'", "ABORTED"),
+        ("uneven columns", uneven, "", "num_scheduled_tokens", "INVALID_ARGUMENT"),
+        ("bad sampling parameters", bad_sampling, "", "new_requests[e].sampling_params.top_p", "INVALID_ARGUMENT"),
     ]
 
 
@@ -295,10 +301,10 @@ async def test_malformed_plans_get_named_errors_and_other_requests_keep_decoding
         assert (await stream.step(p)).sampled_token_ids == reference.execute(p).sampled_token_ids
     good = decode_plans(4, len(malformed_plans()))
 
-    for what, msg, request_id, text in malformed_plans():
+    for what, msg, request_id, text, code in malformed_plans():
         bad = await stream.send(msg)
         assert bad.error is not None, what
-        assert bad.error.code == "INVALID_ARGUMENT", what
+        assert bad.error.code == code, what
         assert text in bad.error.message, f"{what}: {bad.error.message}"
         assert bad.error.request_id == request_id, what
         assert bad.step_id == msg.step_id and not bad.sampled_token_ids
@@ -360,10 +366,10 @@ async def test_reflection_lists_the_worker_and_health_services(worker: Worker) -
 
 async def test_graceful_shutdown_reports_not_serving_then_stops(worker: Worker) -> None:
     await worker.warmup()
-    await worker.health_servicer.enter_graceful_shutdown()
+    await worker.server.health.enter_graceful_shutdown()
     assert await worker.readiness() == health_pb2.HealthCheckResponse.NOT_SERVING
     assert await worker.readiness("") == health_pb2.HealthCheckResponse.NOT_SERVING
-    await shutdown(worker.server, worker.health_servicer, grace_s=0.5, drain_s=0.0)
+    await worker.server.stop(grace_s=0.5, drain_s=0.0)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await worker.stub.Info(worker_pb2.InfoRequest(), timeout=2)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -373,12 +379,11 @@ async def test_an_engine_that_fails_mid_step_turns_not_serving_and_says_why() ->
     """Fault injection on a dedicated engine: its model is gone after Warmup, so the next
     forward raises inside the engine, as a device error would."""
     broken = LLMEngine(EngineConfig(model="tiny-llama", load_format="dummy", seed=0))
-    health_servicer = health.aio.HealthServicer()
-    server, port = build_server(broken, 0, health_servicer=health_servicer)
-    await start_health(health_servicer)
-    await server.start()
+    server = build_server(broken, 0)
+    await server.start(ready=False)
+    port = server.port
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
-        worker = Worker(channel, health_servicer, server)
+        worker = Worker(channel, server)
         await worker.warmup()
         broken.model = None
         stream = StepStream(worker.stub)
@@ -395,4 +400,4 @@ async def test_an_engine_that_fails_mid_step_turns_not_serving_and_says_why() ->
         status = await worker.stub.Health(worker_pb2.HealthRequest())
         assert not status.serving and "TypeError" in status.message
         await stream.close()
-    await server.stop(None)
+    await server.server.stop(None)

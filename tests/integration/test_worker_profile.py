@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_service.costmodel.profile_schema import WorkerProfile
-from worker_service.profiler import QUICK_GRID, main
+from services.profile import main
+from sluice.contract.profile import WorkerProfile
+from worker_service.engine import EngineConfig, LLMEngine
+from worker_service.profiler import QUICK_GRID, ProfileGrid, run_profile
 
 
 def test_quick_profile_writes_a_valid_worker_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -42,3 +44,23 @@ def test_quick_profile_writes_a_valid_worker_profile(tmp_path: Path, capsys: pyt
 
     printed = capsys.readouterr().out
     assert "step MAPE" in printed
+
+
+def test_declared_contexts_profile_the_same_steps_as_prefilled_ones() -> None:
+    """Skipping setup prefills (the default on CUDA) must measure exactly the same step shapes."""
+    grid = ProfileGrid(
+        prefill=((32, 0), (16, 40)),
+        decode_batches=(1, 3),
+        decode_contexts=(20, 70),
+        mixed=((24, 2, 33),),
+        swap_blocks=(2,),
+        repeats=2,
+        warmup=1,
+    )
+    shapes = {}
+    for declare in (False, True):
+        engine = LLMEngine(EngineConfig(model="tiny-llama", block_size=16))
+        profile, skipped = run_profile(engine, grid, progress=False, declare_context=declare)
+        assert not skipped
+        shapes[declare] = ([s.shape.to_dict() for s in profile.steps], [(s.direction, s.bytes) for s in profile.swaps])
+    assert shapes[True] == shapes[False]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from scheduler_service.core.slo import SLOClass
-from scheduler_service.costmodel.base import BatchShape, CostModel
+from scheduler_service.costmodel.base import CostModel
 from scheduler_service.sim.slo_profiles import (
     SLO_PROFILES,
     accelgen_group,
@@ -14,6 +14,7 @@ from scheduler_service.sim.slo_profiles import (
     group_prefill_means,
 )
 from scheduler_service.sim.workloads import Workload, load_trace
+from sluice.contract.profile import BatchShape
 
 
 class LinearCostModel(CostModel):

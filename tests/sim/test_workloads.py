@@ -1,5 +1,6 @@
 """Workload loading, format detection, arrival processes and synthetic generators, checked
-against the shared public data (`shared/data/README.md`) and the papers' published statistics."""
+against the public data bundled in data/ (`data/README.md`, the upstream statistics) and the
+papers' published statistics."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ from scheduler_service.sim.workloads import (
     poisson_arrivals,
     write_sluice_jsonl,
 )
+from sluice.common.paths import data_file, open_text
 
-# name: (rows, prompt mean, output mean, span s or None), from shared/data/README.md
+# name: (rows, prompt mean, output mean, span s or None), from data/README.md (the full upstream traces)
 README_TRACES = {
     "azure-conv": (19_366, 1154.7, 211.1, 3501.7),
     "azure-code": (8_819, 2047.8, 27.9, 3435.9),
@@ -37,6 +39,7 @@ README_TRACES = {
     "mooncake": (3_993, 15325.5, 149.1, 1022.0),
 }
 WORDS = WordTokenCounter(1.0)
+SHAREGPT_2K = "prompts/sharegpt_v3_conversations_2k_first_turns.jsonl.gz"
 
 
 @pytest.mark.parametrize("name", sorted(README_TRACES))
@@ -81,8 +84,8 @@ def test_codealpaca_loads_fully_with_readme_word_means(
 
 
 def test_alpaca_eval_keeps_the_readme_subset_and_stops_at_num_requests() -> None:
-    workload = load_trace("alpaca-eval", num_requests=2_000)
-    assert len(workload) == 2_000
+    workload = load_trace("alpaca-eval-2models", num_requests=1_000)
+    assert len(workload) == 1_000
     ids = {int(r.request_id.split(":")[0]) for r in workload}
     assert all(i % 5 != 0 for i in ids)
     assert workload.requests[0].source == "alpaca-eval/gpt4_1106_preview"
@@ -90,7 +93,7 @@ def test_alpaca_eval_keeps_the_readme_subset_and_stops_at_num_requests() -> None
 
 
 def test_sharegpt_conversations_take_the_first_human_gpt_pair_with_its_text() -> None:
-    workload = load_trace("sharegpt-conversations", num_requests=300)
+    workload = load_trace("sharegpt-conversations-2k", num_requests=300)
     first = workload.requests[0]
     assert len(workload) == 300 and first.request_id == "QWJhYvA_0"
     assert first.prompt_text is not None and first.prompt_text.startswith("Summarize the main ideas of Jeff Walker")
@@ -121,17 +124,17 @@ def test_tokenizer_json_counter_is_used_when_given() -> None:
 
 
 def _copy_lines(src: Path, dst: Path, n: int) -> Path:
-    opener = gzip.open if src.suffix == ".gz" else open
-    with opener(src, "rt", encoding="utf-8") as f:
+    with open_text(src) as f:
         dst.write_text("".join(islice(f, n)), encoding="utf-8")
     return dst
 
 
 def _json_records(src: Path, n: int) -> list[dict]:
-    if src.suffix == ".gz":
-        with gzip.open(src, "rt", encoding="utf-8") as f:
-            return [json.loads(line) for line in islice(f, n)]
-    return json.loads(src.read_text(encoding="utf-8"))[:n]
+    with open_text(src) as f:
+        head = f.read(1)
+        if head == "[":
+            return json.loads(head + f.read())[:n]
+        return [json.loads(head + next(f))] + [json.loads(line) for line in islice(f, n - 1)]
 
 
 @pytest.mark.parametrize(
@@ -143,9 +146,9 @@ def _json_records(src: Path, n: int) -> list[dict]:
     ],
 )
 def test_line_formats_are_detected_from_a_slice_without_extension(
-    shared_data: Path, tmp_path: Path, name: str, relpath: str, fmt: str
+    tmp_path: Path, name: str, relpath: str, fmt: str
 ) -> None:
-    path = _copy_lines(shared_data / relpath, tmp_path / "slice.data", 21)
+    path = _copy_lines(data_file(relpath), tmp_path / "slice.data", 21)
     assert detect_format(path).name == fmt
     sliced = load_trace(path)
     assert sliced.metadata["format"] == fmt
@@ -156,7 +159,7 @@ def _lengths_and_arrivals(workload: Workload) -> list[tuple]:
     return [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.prefix_hash_ids) for r in workload]
 
 
-def test_burstgpt_is_detected_and_failed_rows_are_skipped(shared_data: Path, tmp_path: Path) -> None:
+def test_burstgpt_is_detected_and_failed_rows_are_skipped(tmp_path: Path) -> None:
     # No BurstGPT file is shared; its columns are filled with real Azure rows (seconds since
     # the first row), plus one row marked failed the way BurstGPT marks it (0 response tokens).
     azure = load_trace("azure-conv", num_requests=10)
@@ -181,16 +184,16 @@ def test_burstgpt_is_detected_and_failed_rows_are_skipped(shared_data: Path, tmp
 @pytest.mark.parametrize(
     ("relpath", "container", "fmt", "short"),
     [
-        ("prompts/sharegpt_v3_conversations.jsonl.gz", "array", "sharegpt", "sharegpt-conversations"),
-        ("prompts/sharegpt_v3_conversations.jsonl.gz", "jsonl.gz", "sharegpt", "sharegpt-conversations"),
-        ("prompts/alpaca_eval_outputs_32models.jsonl.gz", "jsonl.gz", "alpaca-eval", "alpaca-eval"),
+        (SHAREGPT_2K, "array", "sharegpt", "sharegpt-conversations-2k"),
+        (SHAREGPT_2K, "jsonl.gz", "sharegpt", "sharegpt-conversations-2k"),
+        ("prompts/alpaca_eval_outputs_2models.jsonl.gz", "jsonl.gz", "alpaca-eval", "alpaca-eval-2models"),
         ("prompts/codealpaca_code_alpaca_2k.json", "array", "codealpaca", "codealpaca-2k"),
     ],
 )
 def test_json_formats_are_detected_in_any_container(
-    shared_data: Path, tmp_path: Path, relpath: str, container: str, fmt: str, short: str
+    tmp_path: Path, relpath: str, container: str, fmt: str, short: str
 ) -> None:
-    records = _json_records(shared_data / relpath, 30)
+    records = _json_records(data_file(relpath), 30)
     path = tmp_path / "slice.bin"
     if container == "array":
         path.write_text(json.dumps(records, indent=2), encoding="utf-8")
@@ -204,7 +207,7 @@ def test_json_formats_are_detected_in_any_container(
 
 
 def test_sluice_jsonl_round_trips_arrivals_slos_and_text(tmp_path: Path) -> None:
-    base = load_trace("sharegpt-conversations", num_requests=10, rate=2.0, seed=3)
+    base = load_trace("sharegpt-conversations-2k", num_requests=10, rate=2.0, seed=3)
     slos = [SLOSpec(ttft_s=0.5, tbt_s=0.1875, slo_class=SLOClass.ONLINE) if i % 2 else None for i in range(10)]
     workload = base.with_slos(slos)
     path = write_sluice_jsonl(workload, tmp_path / "w.out")
@@ -246,7 +249,7 @@ def test_unrecognised_json_and_binary_files_are_value_errors(tmp_path: Path) -> 
         load_trace(binary)
 
 
-def test_unknown_format_name_and_bad_rows_are_value_errors(tmp_path: Path, shared_data: Path) -> None:
+def test_unknown_format_name_and_bad_rows_are_value_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown trace format 'nope'"):
         load_trace("azure-conv", fmt="nope")
     path = tmp_path / "bad.csv"
@@ -265,7 +268,8 @@ def test_head_sample_and_provenance() -> None:
     assert a.requests == b.requests != workload.sample(100, seed=5).requests
     assert a.arrivals().tolist() == sorted(a.arrivals().tolist())
     assert a.metadata["history"][-1] == "sample(n=100, seed=4, replace=False)"
-    assert workload.metadata["history"] == ["load AzureLLMInferenceTrace_code.csv as azure"]
+    found = data_file("traces/AzureLLMInferenceTrace_code.csv")  # the bundle's is gzipped: .csv.gz
+    assert workload.metadata["history"] == [f"load {found.name} as azure"]
     with_replacement = workload.head(5).sample(50, seed=0, replace=True)
     assert len({r.request_id for r in with_replacement}) == 50 and not with_replacement.has_arrivals
     with pytest.raises(ValueError, match="without replacement"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core.plan import (
+from sluice.contract.plan import (
     CachedRequestData,
     KVMove,
     KVMoveKind,
@@ -14,8 +14,7 @@ from scheduler_service.core.plan import (
     StepPlan,
     StepResult,
 )
-from scheduler_service.core.sampling import InvalidRequestError, SamplingParams
-from scheduler_service.plan_codec import (
+from sluice.contract.plan_codec import (
     TOKEN_BUDGET_KEY,
     PlanReceiver,
     PlanSender,
@@ -26,6 +25,7 @@ from scheduler_service.plan_codec import (
     sampling_from_proto,
     sampling_to_proto,
 )
+from sluice.contract.sampling import InvalidRequestError, SamplingParams
 from sluice.v1 import common_pb2, worker_pb2
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

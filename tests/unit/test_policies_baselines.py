@@ -6,7 +6,7 @@ from harness import make_request, make_scheduler, run_to_completion, step
 
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.policies.chunked import budget_from_tbt_slo
+from scheduler_service.policies.sarathi.policy import budget_from_tbt_slo
 
 
 # ---------------------------------------------------------------- vllm
@@ -56,7 +56,7 @@ def test_vllm_preempts_the_newest_request_under_kv_pressure_and_requeues_it_firs
 
 
 def test_vllm_swap_mode_swaps_the_victim_out_and_back_in() -> None:
-    from scheduler_service.core.plan import KVMoveKind
+    from sluice.contract.plan import KVMoveKind
 
     sched = make_scheduler("vllm:preemption_mode=swap", num_gpu_blocks=4, block_size=4)
     sched.add_request(make_request("old", 4, 8), 0.0)

@@ -10,9 +10,9 @@ from harness import fake_result, make_request, make_scheduler, run_to_completion
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.slo import SLOSpec
-from scheduler_service.policies.accelgen import AccelGenPolicy
-from scheduler_service.policies.accelgen_queue import JCTBudget, RemainingTime
-from scheduler_service.policies.accelgen_select import Candidate, CandidateSet
+from scheduler_service.policies.accelgen.policy import AccelGenPolicy
+from scheduler_service.policies.accelgen.queue import JCTBudget, RemainingTime
+from scheduler_service.policies.accelgen.select import Candidate, CandidateSet
 
 BASE = "accelgen:pivot_tokens=64,pivot_s=0.1,min_budget=1"
 

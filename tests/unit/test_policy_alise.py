@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from harness import make_request, make_scheduler, run_to_completion, step
 
-from scheduler_service.core.plan import KVMoveKind, StepPlan
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.policies.alise import AlisePolicy, ExecTimeModel
-from scheduler_service.policies.alise_queues import JobState
+from scheduler_service.policies.alise.policy import AlisePolicy, ExecTimeModel
+from scheduler_service.policies.mlfq import JobState
+from sluice.contract.plan import KVMoveKind, StepPlan
 
 
 def predicted(rid: str, prompt: int, output: int, guess: int | None = None, arrival: float = 0.0) -> Request:
@@ -152,9 +153,9 @@ def test_alise_swaps_out_paused_jobs_beyond_the_job_limit_and_swaps_in_those_abo
     sched.assert_empty()
 
 
-def _memory_pressure(spec: str) -> tuple[Scheduler, Request, Request, StepPlan]:
+def _memory_pressure(spec: str, num_cpu_blocks: int = 64) -> tuple[Scheduler, Request, Request, StepPlan]:
     """A long job holds most of a 10-block GPU when a shorter job with a big prompt arrives."""
-    sched = make_scheduler(spec, num_gpu_blocks=10, block_size=4)
+    sched = make_scheduler(spec, num_gpu_blocks=10, num_cpu_blocks=num_cpu_blocks, block_size=4)
     long = predicted("long", 12, 16)
     sched.add_request(long, 0.0)
     now = 0.0
@@ -173,6 +174,18 @@ def test_alise_swap_manager_swaps_out_the_lower_ranked_job_for_a_shorter_one() -
     assert short.status is RequestStatus.DECODING
     run_to_completion(sched)
     assert sched.metrics.preemptions[("swap", "kv_pressure")] == 1
+    sched.assert_empty()
+
+
+@pytest.mark.parametrize("spec", ["alise", "fastserve"])
+def test_a_job_whose_kv_the_swap_space_cannot_take_is_not_recomputed_for_a_new_one(spec: str) -> None:
+    # No swap space: evicting the long job would drop its KV. The new job waits instead (the
+    # papers evict by swapping), and both finish without a single recompute.
+    sched, long, short, _ = _memory_pressure(spec, num_cpu_blocks=0)
+    assert long.status.is_running or long.status is RequestStatus.PREEMPTED_KEPT
+    assert long.num_preemptions == 0 and short.status.is_waiting
+    run_to_completion(sched)
+    assert not any(mode == "recompute" for mode, _ in sched.metrics.preemptions)
     sched.assert_empty()
 
 

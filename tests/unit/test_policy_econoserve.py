@@ -7,15 +7,15 @@ import pytest
 from harness import make_request, make_scheduler, run_to_completion, step
 
 from kvstore.accounting import AllocationMode, required_tokens
-from scheduler_service.core.plan import KVMoveKind
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.slo import SLOSpec
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.policies.econoserve_queues import OrderingConfig, PTQueue, ordering_key
+from scheduler_service.policies.econoserve.queues import OrderingConfig, PTQueue, ordering_key
 from scheduler_service.sim.simulator import SimConfig, Simulation
 from scheduler_service.sim.slo_profiles import apply_slo_profile
 from scheduler_service.sim.workloads import apply_arrivals, load_trace
+from sluice.contract.plan import KVMoveKind
 
 # Figure 7 in tokens: block_size 1, no padding, buffer or reserve, so 1 block = 1 token.
 PIPE = "econoserve:padding=0,buffer=0,reserve=0,admit_future=0,group_tokens=1,tfs=64"

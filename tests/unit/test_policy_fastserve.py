@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from harness import make_request, make_scheduler, run_to_completion, step
 
-from scheduler_service.core.plan import KVMoveKind
 from scheduler_service.core.request import RequestStatus
-from scheduler_service.policies.alise_queues import JobState
-from scheduler_service.policies.fastserve import DEFAULT_PREFILL_S_PER_TOKEN, FastServePolicy
+from scheduler_service.policies.baselines.fastserve import DEFAULT_PREFILL_S_PER_TOKEN, FastServePolicy
+from scheduler_service.policies.mlfq import JobState
+from sluice.contract.plan import KVMoveKind
 
 
 def level(req: object) -> int:

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from harness import make_request, make_scheduler, run_to_completion, step
 
-from scheduler_service.core.plan import KVMoveKind, StepResult
 from scheduler_service.core.request import RequestStatus
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.policies.scls_batcher import SliceTag, dp_batches, total_serve_time
-from scheduler_service.policies.scls_estimator import MemoryEstimator, ServingTimeEstimator
+from scheduler_service.policies.scls.batcher import SliceTag, dp_batches, total_serve_time
+from scheduler_service.policies.scls.estimator import MemoryEstimator, ServingTimeEstimator
+from sluice.contract.plan import KVMoveKind, StepResult
 
 S = 128
 
@@ -154,7 +154,7 @@ def test_slice_ends_after_s_iterations_and_returns_unfinished_requests_with_thei
 
 
 def _empty_result(sched: Scheduler) -> StepResult:
-    return StepResult(sched._step_id, {}, total_s=0.0)
+    return StepResult(sched.plans.step_id, {}, total_s=0.0)
 
 
 def serve_with_pool(sched: Scheduler) -> None:

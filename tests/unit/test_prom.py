@@ -1,5 +1,7 @@
-"""Prometheus metrics: vLLM's names with the sluice_ prefix, vLLM's buckets, labels by mode,
-reason and model, one registry per ServingMetrics, and /metrics served over HTTP."""
+"""Prometheus metrics: vLLM's names with the sluice_ prefix, vLLM's buckets (queue time from
+0.1 ms), labels by mode, reason and model with every labelled series present at zero from the
+start, KV usage as a ratio, finished requests by reason, worker up/down and reconnects, the
+worker's own metrics, one registry per metrics object, and /metrics served over HTTP."""
 
 from __future__ import annotations
 
@@ -9,10 +11,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.common.prom import (
+    FINISHED_REASONS,
     ITL_BUCKETS,
+    PREDICTOR_FALLBACK_REASONS,
+    QUEUE_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TTFT_BUCKETS,
     ServingMetrics,
+    WorkerMetrics,
     start_metrics_server,
     stop_metrics_server,
 )
@@ -25,19 +31,25 @@ EXPECTED = {
     "sluice_request_queue_time_seconds": "histogram",
     "sluice_num_requests_running": "gauge",
     "sluice_num_requests_waiting": "gauge",
-    "sluice_kv_cache_usage_perc": "gauge",
+    "sluice_kv_cache_usage_ratio": "gauge",
     "sluice_num_preemptions": "counter",
     "sluice_requests_rejected": "counter",
+    "sluice_request_success": "counter",
+    "sluice_predictor_fallbacks": "counter",
+    "sluice_worker_up": "gauge",
+    "sluice_worker_reconnects": "counter",
     "sluice_prompt_tokens": "counter",
     "sluice_generation_tokens": "counter",
+    # ours: how far live length predictions landed from the observed lengths
+    "sluice_length_prediction_error_tokens": "histogram",
 }
 
 
-def families(metrics: ServingMetrics) -> dict:
+def families(metrics: ServingMetrics | WorkerMetrics) -> dict:
     return {m.name: m for m in metrics.registry.collect()}
 
 
-def sample(metrics: ServingMetrics, name: str, **labels: str) -> float:
+def sample(metrics: ServingMetrics | WorkerMetrics, name: str, **labels: str) -> float:
     for family in metrics.registry.collect():
         for s in family.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
@@ -58,12 +70,13 @@ def test_histograms_use_vllms_bucket_boundaries() -> None:
         "sluice_time_to_first_token_seconds": TTFT_BUCKETS,
         "sluice_inter_token_latency_seconds": ITL_BUCKETS,
         "sluice_e2e_request_latency_seconds": REQUEST_LATENCY_BUCKETS,
-        "sluice_request_queue_time_seconds": REQUEST_LATENCY_BUCKETS,
+        "sluice_request_queue_time_seconds": QUEUE_BUCKETS,
     }
     for name, expected in bounds.items():
         les = [float(s.labels["le"]) for s in families(m)[name].samples if s.name.endswith("_bucket")]
         assert les == [*expected, float("inf")], name
     assert TTFT_BUCKETS[:3] == (0.001, 0.005, 0.01) and TTFT_BUCKETS[-1] == 2560.0
+    assert QUEUE_BUCKETS[0] < 0.001, "an idle scheduler admits in microseconds"
     assert sample(m, "sluice_time_to_first_token_seconds_bucket", le="0.04") == 1
     assert sample(m, "sluice_time_to_first_token_seconds_bucket", le="0.02") == 0
 
@@ -86,7 +99,53 @@ def test_counters_and_gauges_carry_their_labels() -> None:
     assert sample(m, "sluice_generation_tokens_total") == 7
     assert sample(m, "sluice_num_requests_running", model_name="tiny-llama") == 3
     assert sample(m, "sluice_num_requests_waiting") == 9
-    assert sample(m, "sluice_kv_cache_usage_perc") == 0.25
+    assert sample(m, "sluice_kv_cache_usage_ratio") == 0.25
+
+
+def test_labelled_series_exist_at_zero_before_any_event() -> None:
+    m = ServingMetrics("tiny-llama")
+    m.initialise(preemptions=[("swap", "kv_pressure")], rejections=["queue_full", "no_worker"], workers=["0", "1"])
+    for reason in FINISHED_REASONS:
+        assert sample(m, "sluice_request_success_total", finished_reason=reason) == 0
+    for reason in PREDICTOR_FALLBACK_REASONS:
+        assert sample(m, "sluice_predictor_fallbacks_total", reason=reason) == 0
+    assert sample(m, "sluice_num_preemptions_total", mode="swap", reason="kv_pressure") == 0
+    assert sample(m, "sluice_requests_rejected_total", reason="no_worker") == 0
+    assert sample(m, "sluice_worker_reconnects_total", worker_id="1") == 0
+    assert sample(m, "sluice_worker_up", worker_id="0") == 0
+
+
+def test_finished_requests_worker_health_and_fallbacks_are_counted() -> None:
+    m = ServingMetrics("tiny-llama")
+    m.inc_finished("stop")
+    m.inc_finished("stop")
+    m.inc_finished("rejected")
+    m.set_worker_up("0", True)
+    m.set_worker_up("1", False)
+    m.inc_reconnect("1")
+    m.inc_predictor_fallback("timeout")
+    assert sample(m, "sluice_request_success_total", finished_reason="stop") == 2
+    assert sample(m, "sluice_request_success_total", finished_reason="rejected") == 1
+    assert sample(m, "sluice_request_success_total", finished_reason="length") == 0
+    assert (sample(m, "sluice_worker_up", worker_id="0"), sample(m, "sluice_worker_up", worker_id="1")) == (1, 0)
+    assert sample(m, "sluice_worker_reconnects_total", worker_id="1") == 1
+    assert sample(m, "sluice_predictor_fallbacks_total", reason="timeout") == 1
+
+
+def test_worker_metrics_count_steps_errors_and_lease_refusals() -> None:
+    w = WorkerMetrics("tiny-llama", "3")
+    w.on_step(0.004, 48, None, num_held=2)
+    w.on_step(0.0, 0, "INVALID_ARGUMENT", num_held=2)
+    w.refusals.inc()
+    w.ready.set(1)
+    assert sample(w, "sluice_worker_steps_total", worker_id="3") == 1
+    assert sample(w, "sluice_worker_scheduled_tokens_total") == 48
+    assert sample(w, "sluice_worker_step_errors_total", code="INVALID_ARGUMENT") == 1
+    assert sample(w, "sluice_worker_step_errors_total", code="INTERNAL") == 0, "every code starts at zero"
+    assert sample(w, "sluice_worker_step_duration_seconds_count") == 1
+    assert sample(w, "sluice_worker_num_requests") == 2
+    assert sample(w, "sluice_worker_lease_refusals_total") == 1
+    assert sample(w, "sluice_worker_ready") == 1
 
 
 def test_two_instances_do_not_share_a_registry() -> None:
@@ -95,6 +154,7 @@ def test_two_instances_do_not_share_a_registry() -> None:
     assert sample(a, "sluice_requests_rejected_total", reason="queue_full") == 1
     with pytest.raises(KeyError):
         sample(b, "sluice_requests_rejected_total", reason="queue_full")
+    assert sample(b, "sluice_request_success_total", finished_reason="stop") == 0
 
 
 def test_metrics_endpoint_serves_the_exposition_format() -> None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 from harness import make_request
 
-from scheduler_service.policies.scls_batcher import MaxMinOffloader, SliceTag
-from scheduler_service.policies.scls_estimator import ServingTimeEstimator
-from scheduler_service.router import RouterContext, WorkerLoad, build_router
-from scheduler_service.routers_extra import KVAwareRouter, MaxMinRouter, SCLSRouter, SCLSRouterConfig
+from scheduler_service.policies.scls.batcher import MaxMinOffloader, SliceTag
+from scheduler_service.policies.scls.estimator import ServingTimeEstimator
+from scheduler_service.policies.scls.router import MaxMinRouter, SCLSRouter, SCLSRouterConfig
+from scheduler_service.routers import RouterContext, WorkerLoad, build_router
+from scheduler_service.routers.kv_aware import KVAwareRouter
 
 EST = ServingTimeEstimator((1.5e-5, 0.0, 0.0, 0.02), (4.3e-6, 5e-4, 0.0, 0.0207))
 

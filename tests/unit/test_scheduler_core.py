@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from harness import EOS, TOKEN, fake_result, make_request, make_scheduler, run_to_completion, step
 
-from scheduler_service.core.plan import KVMoveKind, StepError, StepResult
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason, RejectReason
 from scheduler_service.core.request import RequestStatus
-from scheduler_service.core.sampling import SamplingParams
 from scheduler_service.core.step_builder import StepBuilder
+from sluice.contract.plan import KVMoveKind, StepError, StepResult
+from sluice.contract.sampling import SamplingParams
 
 
 def test_bounded_queue_rejects_with_a_reason() -> None:

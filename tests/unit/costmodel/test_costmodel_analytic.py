@@ -7,9 +7,9 @@ import itertools
 import pytest
 
 from scheduler_service.costmodel.analytic import AnalyticCostModel
-from scheduler_service.costmodel.base import BatchShape
 from scheduler_service.costmodel.pivot import pivot_forward_size, probe_shape
 from scheduler_service.costmodel.presets import get_hardware, get_model
+from sluice.contract.profile import BatchShape
 
 
 def analytic(model: str, gpu: str = "a100-80g", tp: int = 1) -> AnalyticCostModel:

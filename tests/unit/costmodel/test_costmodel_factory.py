@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_service.costmodel.base import COST_MODELS, BatchShape
+from scheduler_service.costmodel.base import COST_MODELS
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.costmodel.presets import get_model
-from scheduler_service.costmodel.profile_schema import StepSample, WorkerProfile
+from sluice.contract.profile import BatchShape, StepSample, WorkerProfile
 
 
 def tiny_profile(path: Path) -> Path:

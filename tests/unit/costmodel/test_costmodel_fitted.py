@@ -1,4 +1,5 @@
-"""The fitted model recovers the coefficients of a synthetic worker profile and reports its error."""
+"""The fitted model recovers the coefficients of a synthetic worker profile (a GPU-like roofline
+knee included) and reports its error, in sample and on held-out steps."""
 
 from __future__ import annotations
 
@@ -8,12 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scheduler_service.costmodel.base import BatchShape
 from scheduler_service.costmodel.fitted import FEATURES, FittedCostModel, nnls, step_features
 from scheduler_service.costmodel.presets import get_model
-from scheduler_service.costmodel.profile_schema import StepSample, SwapSample, WorkerProfile
+from sluice.contract.profile import BatchShape, StepSample, SwapSample, WorkerProfile
 
-TRUE = dict(zip(FEATURES, (4e-3, 3e-5, 2e-5, 1e-9, 4e-8, 5e-5), strict=True))
+TRUE = dict(zip(FEATURES, (4e-3, 3e-5, 2e-5, 1e-9, 4e-8, 5e-5, 0.0), strict=True))
 SWAP_OUT = (1e-4, 1 / 20e9)  # fixed seconds, seconds per byte
 SWAP_IN = (2e-4, 1 / 24e9)
 
@@ -27,12 +27,12 @@ def random_shape(rng: random.Random) -> BatchShape:
     return shape
 
 
-def synthetic_profile(noise: float, seed: int = 7) -> WorkerProfile:
+def synthetic_profile(noise: float, seed: int = 7, truth: dict[str, float] = TRUE, knee: int = 0) -> WorkerProfile:
     rng = random.Random(seed)
     steps = []
     for _ in range(200):
         shape = random_shape(rng)
-        exact = sum(TRUE[name] * f for name, f in zip(FEATURES, step_features(shape), strict=True))
+        exact = sum(truth[name] * f for name, f in zip(FEATURES, step_features(shape, knee), strict=True))
         steps.append(StepSample(shape, exact * (1 + rng.uniform(-noise, noise))))
     swaps = [
         SwapSample(direction, n, n * 2**20, fixed + n * 2**20 * per_byte)
@@ -87,3 +87,24 @@ def test_profile_without_steps_is_refused() -> None:
     profile.steps = []
     with pytest.raises(ValueError, match="no step samples"):
         FittedCostModel(profile)
+
+
+def test_a_roofline_knee_is_found_and_keeps_small_steps_flat() -> None:
+    """GEMMs that read the weights whatever the rows until 192 rows, as on an H100."""
+    truth = dict(TRUE, gemm_shortfall=TRUE["prefill_tokens"])
+    cm = FittedCostModel(synthetic_profile(noise=0.0, truth=truth, knee=192))
+    assert cm.knee == 192
+    assert cm.fit_report().mape < 1e-6
+    small, at_knee = cm.prefill_time(16), cm.prefill_time(192)
+    assert small == pytest.approx(at_knee, rel=0.01)  # only the (tiny) attention term differs
+    assert cm.prefill_time(1024) > 2 * at_knee
+
+
+def test_holdout_prices_only_steps_it_was_not_fitted_on() -> None:
+    profile = synthetic_profile(noise=0.0)
+    for sample in profile.steps[::4]:
+        sample.time_s *= 2  # recorded twice as slow: a model fitted on the others says half
+    report = FittedCostModel(profile).holdout(every=4)
+    assert report.num_fitted == 150 and len(report.relative_errors) == 50
+    assert report.relative_errors == pytest.approx([-0.5] * 50, abs=1e-6)
+    assert report.median == pytest.approx(0.5, abs=1e-6)

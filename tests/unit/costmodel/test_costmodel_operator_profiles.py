@@ -7,9 +7,9 @@ import itertools
 import pytest
 
 from scheduler_service.costmodel.analytic import AnalyticCostModel
-from scheduler_service.costmodel.base import BatchShape
 from scheduler_service.costmodel.operator_profiles import OperatorProfileCostModel
 from scheduler_service.costmodel.presets import get_hardware, get_model
+from sluice.contract.profile import BatchShape
 
 TOKENS = (1, 64, 256, 512, 2048, 4096)
 # profiles/README.md orientation table: non-attention ms of one forward pass.

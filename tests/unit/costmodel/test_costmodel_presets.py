@@ -19,7 +19,16 @@ def test_kv_bytes_per_token_match_published_layouts() -> None:
 
 @pytest.mark.parametrize(
     ("name", "billions"),
-    [("opt-13b", 12.9), ("opt-175b", 175.0), ("llama-2-7b", 6.7), ("llama-2-70b", 69.0), ("llama-3-8b", 8.0)],
+    [
+        ("opt-13b", 12.9),
+        ("opt-175b", 175.0),
+        ("llama-2-7b", 6.7),
+        ("llama-2-70b", 69.0),
+        ("llama-3-8b", 8.0),
+        ("llama-3.1-8b", 8.0),
+        ("llama-3.1-70b", 70.6),
+        ("llama-3.1-405b", 405.9),
+    ],
 )
 def test_parameter_counts_are_within_five_percent_of_the_model_names(name: str, billions: float) -> None:
     assert get_model(name).num_params / 1e9 == pytest.approx(billions, rel=0.05)
@@ -29,6 +38,25 @@ def test_opt_models_are_ungated_with_2048_positions() -> None:
     for name in ("opt-2.7b", "opt-6.7b", "opt-13b", "opt-175b"):
         spec = MODEL_PRESETS[name]
         assert not spec.gated_mlp and spec.max_model_len == 2048 and spec.intermediate_size == 4 * spec.hidden_size
+
+
+@pytest.mark.parametrize(
+    ("name", "context"),
+    [
+        ("opt-13b", 2048),
+        ("llama-2-7b", 4096),
+        ("yi-34b", 4096),
+        ("llama-3-8b", 8192),
+        ("codellama-34b", 16384),
+        ("mistral-7b", 32768),
+        ("qwen-72b", 32768),
+        ("llama-3.1-8b", 131072),
+        ("llama-3.1-70b", 131072),
+        ("llama-3.1-405b", 131072),
+    ],
+)
+def test_presets_carry_their_checkpoints_context_length(name: str, context: int) -> None:
+    assert get_model(name).max_model_len == context
 
 
 def test_tp_suffix_and_argument_both_shard_the_model() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan
-from scheduler_service.core.sampling import SamplingParams
+from sluice.contract.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan
+from sluice.contract.sampling import SamplingParams
 from worker_service.echo_engine import EchoEngine
 from worker_service.engine import EngineConfig, StepPlanError
 

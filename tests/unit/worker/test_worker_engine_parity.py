@@ -1,14 +1,23 @@
 """Greedy decoding through the paged engine equals a dense forward pass that recomputes
 the whole sequence each step: with chunked prefill of varying sizes mixed with other
-requests' decodes, after swap-out and swap-in, and after preemption by recompute."""
+requests' decodes, after swap-out and swap-in, and after preemption by recompute. In
+float32 on the CPU (torch attention) and on CUDA (Triton kernels, decode CUDA graphs)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from worker_harness import MiniScheduler, budget_schedule, dense_greedy, dense_logits, make_engine, random_prompt
+from worker_harness import (
+    MiniScheduler,
+    budget_schedule,
+    dense_greedy,
+    dense_logits,
+    device_params,
+    make_engine,
+    random_prompt,
+)
 
-from worker_service.engine import LLMEngine
+from worker_service.engine import EngineConfig, LLMEngine
 
 NUM_OUTPUT = 8
 PROMPT_LENS = (13, 7, 22, 1)
@@ -16,9 +25,10 @@ CHUNK_SIZES = (5, 3, 8, 2, 6)
 BUDGET = 9
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-opt"])
+@pytest.fixture(scope="module", params=device_params(["tiny-llama", "tiny-opt"]))
 def engine(request: pytest.FixtureRequest) -> LLMEngine:
-    return make_engine(request.param, num_gpu_blocks=48, num_cpu_blocks=48)
+    model, device = request.param
+    return make_engine(model, num_gpu_blocks=48, num_cpu_blocks=48, device=device)
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +116,10 @@ def test_recompute_preemption_resends_generated_tokens_and_matches(engine, promp
     sched = run(engine, prompts, {6: preempt, 7: lambda s: set()})
     for rid in prompts:
         assert sched.outputs(rid)[:NUM_OUTPUT] == reference[rid], rid
+
+
+def test_triton_attention_is_refused_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        LLMEngine(EngineConfig(model="tiny-llama", device="cpu", attention="triton"))

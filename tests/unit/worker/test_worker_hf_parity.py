@@ -18,7 +18,7 @@ from transformers import (
 )
 from worker_harness import MiniScheduler, dense_logits
 
-from scheduler_service.core.sampling import SamplingParams
+from sluice.contract.sampling import SamplingParams
 from worker_service.engine import EngineConfig, LLMEngine
 from worker_service.model import load_model
 from worker_service.model.loader import INDEX_FILE, safetensors_files

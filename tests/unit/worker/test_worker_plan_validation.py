@@ -11,7 +11,7 @@ import pytest
 import torch
 from worker_harness import GREEDY, MiniScheduler, dense_greedy, make_engine, random_prompt
 
-from scheduler_service.core.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan
+from sluice.contract.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan
 from worker_service.engine import LLMEngine, StepPlanError
 
 NUM_GPU_BLOCKS = 32
@@ -41,7 +41,9 @@ def sched(engine: LLMEngine) -> MiniScheduler:
 
 def snapshot(engine: LLMEngine) -> tuple[dict, torch.Tensor]:
     assert engine.cache is not None
-    state = {rid: vars(r) | {"generator": None} for rid, r in engine.requests.items()}
+    state = {
+        rid: vars(r) | {"generator": None, "block_array": r.block_array.tolist()} for rid, r in engine.requests.items()
+    }
     return copy.deepcopy(state), engine.cache.kv.clone()
 
 
@@ -73,7 +75,9 @@ BAD_PLANS: dict[str, Callable[[MiniScheduler], StepPlan]] = {
         new_requests=(new("c", (NUM_GPU_BLOCKS + 3, free_block(s))),), num_scheduled_tokens={"a": 1, "c": 5}
     ),
     "block owned by another request": lambda s: plan(
-        new_requests=(new("c", (s.kv.gpu_tables["b"][0], free_block(s))),), num_scheduled_tokens={"a": 1, "c": 5}
+        new_requests=(new("c", (s.kv.gpu_tables["b"][0], free_block(s))),),
+        num_scheduled_tokens={"a": 1, "c": 5},
+        sample_ids=frozenset({"a"}),
     ),
     "duplicate block within a request": lambda s: plan(
         new_requests=(new("c", (free_block(s), free_block(s))),), num_scheduled_tokens={"a": 1, "c": 5}
@@ -100,6 +104,10 @@ BAD_PLANS: dict[str, Callable[[MiniScheduler], StepPlan]] = {
 }
 
 
+# Plans that collide with state the worker holds from earlier plans: the states diverged.
+DIVERGED = {"block owned by another request", "known request sent as new"}
+
+
 @pytest.mark.parametrize("case", sorted(BAD_PLANS))
 def test_bad_plan_raises_and_leaves_state_untouched(
     case: str, engine: LLMEngine, sched: MiniScheduler, reference: dict[str, list[int]]
@@ -107,7 +115,7 @@ def test_bad_plan_raises_and_leaves_state_untouched(
     before_state, before_kv = snapshot(engine)
     with pytest.raises(StepPlanError) as err:
         engine.execute(BAD_PLANS[case](sched))
-    assert err.value.code == "INVALID_ARGUMENT"
+    assert err.value.code == ("ABORTED" if case in DIVERGED else "INVALID_ARGUMENT")
     assert err.value.message
     after_state, after_kv = snapshot(engine)
     assert after_state == before_state

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from worker_harness import MiniScheduler, make_engine, random_prompt
 
-from scheduler_service.core.sampling import SamplingParams
+from sluice.contract.sampling import SamplingParams
 from worker_service.sampler import Sampler, SamplingRow, mask_min_p, mask_top_k_top_p
 
 VOCAB = 50

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker_service.tokenizer import Tokenizer, demo_tokenizer_path
+from sluice.common.tokenizer import Tokenizer, demo_tokenizer_path
 
 TEXT = "The scheduler's playing with unbelievably long-running requests, isn't it? 42 tokens!"
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import pytest
 import torch
 
 from kvstore.accounting import KVCacheManager
-from scheduler_service.core.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
-from scheduler_service.core.sampling import SamplingParams
+from sluice.contract.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
+from sluice.contract.sampling import SamplingParams
 from worker_service.engine import EngineConfig, LLMEngine
 from worker_service.model import CausalLM, DenseAttention
 
@@ -18,11 +19,27 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
 def make_engine(
-    model: str = "tiny-llama", num_gpu_blocks: int = 64, num_cpu_blocks: int = 32, block_size: int = 4, seed: int = 0
+    model: str = "tiny-llama",
+    num_gpu_blocks: int = 64,
+    num_cpu_blocks: int = 32,
+    block_size: int = 4,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "float32",
+    **config: object,
 ) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=model, block_size=block_size, seed=seed))
+    config = dict(model=model, block_size=block_size, seed=seed, device=device, dtype=dtype, **config)
+    engine = LLMEngine(EngineConfig(**config))  # type: ignore[arg-type]
     engine.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
     return engine
+
+
+def device_params(models: Sequence[str]) -> list:
+    """(model, device) pytest params: every model on the CPU, and on CUDA (marked gpu, skipped without it)."""
+    on_cuda = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+    return [pytest.param((m, "cpu"), id=f"{m}-cpu") for m in models] + [
+        pytest.param((m, "cuda"), id=f"{m}-cuda", marks=on_cuda) for m in models
+    ]
 
 
 def random_prompt(n: int, seed: int, vocab: int = 30522) -> list[int]:
@@ -175,3 +192,44 @@ def budget_schedule(
             out[rid] = n
             left -= n
     return out
+
+
+def int8_swap_round_trip(engine: LLMEngine, bound_slack: float) -> tuple[float, int, int]:
+    """Three prompts prefilled, swapped out as int8 and back in, then decoded greedily.
+
+    Asserts every dequantized KV value is within lambda / 2 of the original (plus
+    `bound_slack` for the cache dtype's rounding) and that the step reported the int8 bytes;
+    returns (max |dequantized - original| over real tokens, greedy tokens equal to the exact
+    reference, tokens compared)."""
+    cache = engine.cache
+    assert cache is not None
+    prompts = {f"q{i}": random_prompt(20 + 7 * i, seed=40 + i) for i in range(3)}
+    sched = MiniScheduler(engine)
+    for rid, p in prompts.items():
+        sched.add(rid, p)
+    sched.step({rid: len(p) for rid, p in prompts.items()})
+    tables = {rid: list(sched.kv.gpu_tables[rid]) for rid in prompts}
+    before = {rid: cache.kv[:, :, tables[rid]].float().clone() for rid in prompts}
+    for rid in prompts:
+        sched.swap_out(rid, int8=True)
+    result = sched.step({})
+    assert result.swap_bytes == sum(len(t) for t in tables.values()) * engine.spec.int8_bytes_per_block
+    for rid in prompts:
+        sched.swap_in(rid)
+    sched.step({})
+    max_err = 0.0
+    for rid, p in prompts.items():
+        after = cache.kv[:, :, sched.kv.gpu_tables[rid]].float()
+        span = before[rid].amax(dim=3, keepdim=True) - before[rid].amin(dim=3, keepdim=True)
+        err = (after - before[rid]).abs()
+        assert bool((err <= span / 510 + bound_slack).all())
+        tokens = err.reshape(err.shape[0], 2, -1, *err.shape[-2:])[:, :, : len(p)]  # slots holding real tokens
+        max_err = max(max_err, float(tokens.max()))
+    while any(len(sched.outputs(r)) < 8 for r in prompts):
+        sched.step({r: 1 for r in prompts})
+    agree = [
+        a == b
+        for rid, p in prompts.items()
+        for a, b in zip(sched.outputs(rid)[:8], dense_greedy(engine.model, p, 8), strict=True)
+    ]
+    return max_err, sum(agree), len(agree)
