@@ -25,9 +25,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from scheduler_service.costmodel.base import BatchShape, CostModel
+from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.costmodel.pivot import pivot_forward_size, throughput_curve
+from sluice.contract.profile import BatchShape
 
 TOKENS = (1, 64, 256, 512, 2048, 4096)
 README_MS = {

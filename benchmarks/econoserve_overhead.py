@@ -17,14 +17,14 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from kvstore.accounting import KVCacheManager
 from scheduler_service import policies  # noqa: F401
-from scheduler_service.core.plan import StepResult
-from scheduler_service.core.policy import PolicyContext, build_policy
+from scheduler_service.cluster import ClusterSpec, WorkerSpec, build_cluster
 from scheduler_service.core.request import Request
-from scheduler_service.core.sampling import SamplingParams
-from scheduler_service.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.workloads import load_trace
+from sluice.contract.plan import StepResult
+from sluice.contract.sampling import SamplingParams
 
 POLICIES = ["vllm", "econoserve:variant=D", "econoserve:variant=SD", "econoserve:variant=SDO", "econoserve"]
 RUNNING = 256
@@ -73,9 +73,16 @@ class Feeder:
 
 def build(policy: str) -> Scheduler:
     num_blocks = RUNNING * 3500 // BLOCK  # every one of 256 fits: max_num_seqs binds, the queue stays long
-    kv = KVCacheManager(num_blocks, 8192, BLOCK)
-    ctx = PolicyContext(0, BLOCK, num_blocks, 8192, 4096, RUNNING, 8192)
-    return Scheduler(0, kv, build_policy(policy, ctx), SchedulerConfig(RUNNING, 8192, 4096, max_waiting=20_000))
+    spec = ClusterSpec(
+        policy=policy,
+        workers=(WorkerSpec(num_blocks, 8192, BLOCK),),
+        cost_model=build_cost_model("analytic", "llama-2-7b", "a100-80g"),
+        max_model_len=4096,
+        max_num_seqs=RUNNING,
+        max_num_batched_tokens=8192,
+        max_waiting=20_000,
+    )
+    return build_cluster(spec).schedulers[0]
 
 
 def measure(policy: str, steps: int, prompts: list[int], outputs: list[int]) -> dict[str, float]:

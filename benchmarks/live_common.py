@@ -1,7 +1,7 @@
 """Helpers of the live benchmarks: worker processes started and stopped as `sluice worker` is.
 
 spawn_worker(engine="echo" | "torch", ...) -> WorkerProcess (a subprocess running
-    `python -m worker_service.server`, its address read from its "listening on" line)
+    `python -m services.cli worker`, its address read from its "listening on" line)
 WorkerProcess.stop(): SIGTERM (graceful shutdown), then SIGKILL after a grace period
 """
 
@@ -52,7 +52,7 @@ def spawn_worker(
     cmd = [
         sys.executable,
         "-m",
-        "worker_service.server",
+        "services.cli", "worker",
         "--engine",
         engine,
         "--model",

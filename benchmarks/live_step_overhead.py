@@ -36,15 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from live_common import spawn_worker
 
-from kvstore.accounting import KVCacheManager
 from scheduler_service import policies  # noqa: F401  (registers the policies)
-from scheduler_service.core.metrics import MetricsRecorder
-from scheduler_service.core.policy import PolicyContext, build_policy
+from scheduler_service.cluster import ClusterSpec, WorkerSpec, build_cluster
 from scheduler_service.core.request import Request
-from scheduler_service.core.sampling import SamplingParams
-from scheduler_service.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.live.remote import RemoteWorker, WarmupOptions
-from scheduler_service.plan_codec import plan_to_proto
+from sluice.contract.plan_codec import plan_to_proto
+from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2
 
 GPU_STEP_S = 0.020
@@ -73,19 +72,15 @@ class SizeResult:
 
 
 def make_scheduler(n: int) -> Scheduler:
-    kv = KVCacheManager(NUM_GPU_BLOCKS, 0, BLOCK_SIZE)
-    budget = max(2048, n * PROMPT_LEN)
-    ctx = PolicyContext(
-        worker_id=0,
-        block_size=BLOCK_SIZE,
-        num_gpu_blocks=NUM_GPU_BLOCKS,
-        num_cpu_blocks=0,
+    spec = ClusterSpec(
+        policy="vllm",
+        workers=(WorkerSpec(NUM_GPU_BLOCKS, 0, BLOCK_SIZE),),
+        cost_model=build_cost_model("analytic", "llama-2-7b", "a100-80g"),
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=max(n, 1),
-        max_num_batched_tokens=budget,
+        max_num_batched_tokens=max(2048, n * PROMPT_LEN),
     )
-    config = SchedulerConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN)
-    return Scheduler(0, kv, build_policy("vllm", ctx), config, MetricsRecorder())
+    return build_cluster(spec).schedulers[0]
 
 
 def add_requests(sched: Scheduler, n: int, max_tokens: int) -> None:
@@ -159,6 +154,7 @@ async def measure(address: str, n: int, steps: int, warmup: int) -> SizeResult:
             if not whole:
                 whole = whole_bytes(sched)
     finally:
+        await remote.end_lease()  # the next measurement dials the same worker with a new session
         await remote.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
     return SizeResult(

@@ -16,8 +16,8 @@ import argparse
 import timeit
 from collections.abc import Callable
 
-from scheduler_service.core.plan import CachedRequestData, StepPlan, StepResult
-from scheduler_service.plan_codec import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto, step_order
+from sluice.contract.plan import CachedRequestData, StepPlan, StepResult
+from sluice.contract.plan_codec import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto, step_order
 from sluice.v1 import worker_pb2
 
 BLOCK_SIZE = 16

@@ -14,12 +14,12 @@ import time
 import numpy as np
 
 from scheduler_service.core.request import Request
-from scheduler_service.core.sampling import SamplingParams
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.policies.scls_batcher import dp_batches
-from scheduler_service.policies.scls_estimator import MemoryEstimator, ServingTimeEstimator
-from scheduler_service.router import RouterContext, WorkerLoad, build_router
+from scheduler_service.policies.scls.batcher import dp_batches
+from scheduler_service.policies.scls.estimator import MemoryEstimator, ServingTimeEstimator
+from scheduler_service.routers import RouterContext, WorkerLoad, build_router
 from scheduler_service.sim.workloads import load_trace
+from sluice.contract.sampling import SamplingParams
 
 BLOCK = 16
 

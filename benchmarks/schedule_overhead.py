@@ -19,17 +19,16 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from kvstore.accounting import KVCacheManager
 from scheduler_service import policies  # noqa: F401
-from scheduler_service.core.plan import StepResult
-from scheduler_service.core.policy import PolicyContext, build_policy
+from scheduler_service.cluster import ClusterSpec, WorkerSpec, build_cluster
 from scheduler_service.core.request import Request
-from scheduler_service.core.sampling import SamplingParams
-from scheduler_service.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.slo_profiles import apply_slo_profile
 from scheduler_service.sim.workloads import TraceRequest, load_trace
+from sluice.contract.plan import StepResult
+from sluice.contract.sampling import SamplingParams
 
 POLICIES = [
     "vllm",
@@ -50,9 +49,16 @@ STEP_S = 0.02
 
 
 def build(policy: str, requests: list[TraceRequest], cost_model: CostModel) -> Scheduler:
-    kv = KVCacheManager(NUM_BLOCKS, 4096, BLOCK_SIZE)
-    ctx = PolicyContext(0, BLOCK_SIZE, NUM_BLOCKS, 4096, 8192, RUNNING, 8192, cost_model=cost_model)
-    sched = Scheduler(0, kv, build_policy(policy, ctx), SchedulerConfig(RUNNING, 8192, 8192, max_waiting=20_000))
+    spec = ClusterSpec(
+        policy=policy,
+        workers=(WorkerSpec(NUM_BLOCKS, 4096, BLOCK_SIZE),),
+        cost_model=cost_model,
+        max_model_len=8192,
+        max_num_seqs=RUNNING,
+        max_num_batched_tokens=8192,
+        max_waiting=20_000,
+    )
+    sched = build_cluster(spec).schedulers[0]
     for i, tr in enumerate(requests):
         request = Request(
             f"r{i}",

@@ -14,7 +14,14 @@ ratio compares the serving loops, not the models. Static batching pays for paddi
 for waiting on the longest request of each batch: that waste is what continuous batching
 removes.
 
+At a real shape (`--model llama-3-8b --device cuda`, bf16) there is no checkpoint to write:
+our engine gets dummy weights and the transformers model is built around the very same
+tensors (its q/k/v and gate/up projections are views of our fused ones), so no weight is
+copied and both still run one model.
+
     python benchmarks/worker_throughput.py [--num-requests 64] [--repeats 3] [--markdown OUT.md]
+    python benchmarks/worker_throughput.py --model llama-3-8b --device cuda --threads 0 --scale 1 \
+        --max-prompt 2048 --max-output 256 --token-budget 2048 --max-num-seqs 64 --repeats 1
 """
 
 from __future__ import annotations
@@ -36,10 +43,11 @@ import grpc
 import torch
 from tqdm import tqdm
 
-from scheduler_service.core.plan import CachedRequestData, NewRequestData, StepPlan, StepResult
-from scheduler_service.core.sampling import SamplingParams
-from scheduler_service.plan_codec import CHANNEL_OPTIONS, plan_to_proto, result_from_proto
-from sluice.common.paths import data_dir
+from sluice.common.grpc_server import CHANNEL_OPTIONS
+from sluice.common.paths import data_file, open_text
+from sluice.contract.plan import CachedRequestData, NewRequestData, StepPlan, StepResult
+from sluice.contract.plan_codec import plan_to_proto, result_from_proto
+from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine
 from worker_service.model.dummy import PRESETS
@@ -58,12 +66,13 @@ class BenchRequest:
     output_len: int
 
 
-def load_workload(num_requests: int, scale: int, max_prompt: int, max_output: int, seed: int) -> list[BenchRequest]:
+def load_workload(
+    num_requests: int, scale: int, max_prompt: int, max_output: int, seed: int, vocab: int = PRESETS[PRESET].vocab_size
+) -> list[BenchRequest]:
     """The first requests of the Azure conversation trace, lengths divided by `scale` and capped."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = PRESETS[PRESET].vocab_size
     requests = []
-    with (data_dir() / TRACE).open() as f:
+    with open_text(data_file(TRACE)) as f:
         for i, row in enumerate(csv.DictReader(f)):
             if i == num_requests:
                 break
@@ -96,6 +105,53 @@ def write_hf_checkpoint(folder: Path, seed: int) -> None:
     )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(folder)
+
+
+# transformers module -> (our fused module, its shard)
+_HF_SHARDS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def hf_sharing_weights(engine: LLMEngine) -> torch.nn.Module:
+    """A transformers Llama whose parameters are our engine's tensors (views of the fused ones)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = engine.model_config
+    config = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        eos_token_id=c.eos_token_ids[0],
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(config)
+    ours = dict(engine.model.named_parameters())
+    state: dict[str, torch.Tensor] = {}
+    for name in hf.state_dict():
+        module = name.split(".")[-2]
+        if module in _HF_SHARDS:
+            fused_module, shard = _HF_SHARDS[module]
+            fused = name.replace(module, fused_module)
+            state[name] = ours[fused].data[engine.model.shard_slice(fused, shard)]
+        else:
+            state[name] = ours[name].data
+    hf.load_state_dict(state, assign=True, strict=True)
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config).to(engine.device)  # its buffers were left on meta
+    return hf.to(engine.device).eval()
 
 
 # ---------------------------------------------------------------- ours: continuous batching
@@ -289,7 +345,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32, help="ours: running requests; HF: static batch size")
     p.add_argument("--token-budget", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (both systems run float32 there)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--model", default=PRESET, help="dummy preset (real shapes share our weights with transformers)")
+    p.add_argument("--dtype", default=None, help="default: float32 for tiny-llama, bfloat16 for other presets")
     p.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads for both systems (0: torch's default)"
     )
@@ -321,13 +379,13 @@ async def run_direct(
 @asynccontextmanager
 async def grpc_worker(engine: LLMEngine) -> AsyncIterator[worker_pb2_grpc.WorkerServiceStub]:
     """The real worker server on this event loop (its engine on its own thread), and a client stub."""
-    server, port = build_server(engine, 0)
-    await server.start()
+    server = build_server(engine, 0)
+    await server.start(ready=False)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as channel:
             yield worker_pb2_grpc.WorkerServiceStub(channel)
     finally:
-        await server.stop(None)
+        await server.server.stop(None)
 
 
 async def run_grpc(
@@ -339,8 +397,8 @@ async def run_grpc(
     worker in two processes overlap their halves of the transport, so this is an upper bound."""
     blocks = num_blocks(engine, args)
     async with grpc_worker(engine) as stub:
-        await stub.Warmup(worker_pb2.WarmupRequest(num_gpu_blocks_override=blocks, swap_space_gib=1e-3))
-        stream = stub.Execute()
+        warm = await stub.Warmup(worker_pb2.WarmupRequest(num_gpu_blocks_override=blocks, swap_space_gib=1e-3))
+        stream = stub.Execute(metadata=(("x-sluice-session", warm.session_id),))  # the lease Warmup granted
 
         async def execute(plan: StepPlan) -> StepResult:
             await stream.write(plan_to_proto(plan))
@@ -351,6 +409,29 @@ async def run_grpc(
         await stream.done_writing()
         await stream.read()  # EOF: the worker ended the stream, nothing is cancelled at shutdown
     return wall_s, outputs, batcher.totals
+
+
+def run_systems(workload: list[BenchRequest], args: argparse.Namespace, progress: bool) -> tuple[list, list, list]:
+    """Each system `repeats` times: ours direct, ours over gRPC, transformers."""
+
+    def ours(engine: LLMEngine) -> tuple[list, list]:
+        direct = [asyncio.run(run_direct(engine, workload, args, progress)) for _ in range(args.repeats)]
+        return direct, [asyncio.run(run_grpc(engine, workload, args, progress)) for _ in range(args.repeats)]
+
+    if args.model != PRESET or (args.dtype or "float32") != "float32":
+        config = EngineConfig(model=args.model, load_format="dummy", dtype=args.dtype or "bfloat16", device=args.device)
+        engine = LLMEngine(config)
+        direct, over_grpc = ours(engine)
+        engine.init_kv_cache(1, 0)  # hands the KV cache's memory back before transformers runs
+        hf_model = hf_sharing_weights(engine)
+        return direct, over_grpc, [run_hf(hf_model, workload, args.max_num_seqs, progress) for _ in range(args.repeats)]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        write_hf_checkpoint(folder, args.seed)
+        config = EngineConfig(model=str(folder), load_format="safetensors", dtype="float32", device=args.device)
+        direct, over_grpc = ours(LLMEngine(config))
+        hf_model = load_hf(folder, args.device)
+        return direct, over_grpc, [run_hf(hf_model, workload, args.max_num_seqs, progress) for _ in range(args.repeats)]
 
 
 def _median_run(runs: list[tuple]) -> tuple:
@@ -366,7 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # every barrier whenever another process holds a core: the same run varied 40x.
         # One thread for both systems keeps the comparison fair and repeatable.
         torch.set_num_threads(args.threads)
-    workload = load_workload(args.num_requests, args.scale, args.max_prompt, args.max_output, args.seed)
+    vocab = PRESETS[args.model].vocab_size
+    workload = load_workload(args.num_requests, args.scale, args.max_prompt, args.max_output, args.seed, vocab)
     useful = sum(r.output_len for r in workload)
     prompts = [len(r.prompt) for r in workload]
     print(
@@ -374,15 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" max {max(prompts)}, {useful} output tokens; torch threads {torch.get_num_threads()};"
         f" load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        write_hf_checkpoint(folder, args.seed)
-        config = EngineConfig(model=str(folder), load_format="safetensors", dtype="float32", device=args.device)
-        engine = LLMEngine(config)
-        ours_runs = [asyncio.run(run_direct(engine, workload, args, progress)) for _ in range(args.repeats)]
-        grpc_runs = [asyncio.run(run_grpc(engine, workload, args, progress)) for _ in range(args.repeats)]
-        hf_model = load_hf(folder, args.device)
-        hf_runs = [run_hf(hf_model, workload, args.max_num_seqs, progress) for _ in range(args.repeats)]
+    ours_runs, grpc_runs, hf_runs = run_systems(workload, args, progress)
     ours_s, ours_out, t = _median_run(ours_runs)
     grpc_s, grpc_out, g = _median_run(grpc_runs)
     assert grpc_out == ours_out, "the gRPC worker must produce exactly the direct engine's tokens"

@@ -1,0 +1,258 @@
+"""Long contexts and shared prefixes, measured side by side in the simulator (the
+"Long contexts and prefix caching" section of docs/RESULTS.md comes from this script).
+
+    python benchmarks/long_context.py --out docs/long_context        (JSON + PNG + tables)
+
+Workloads: the shared Mooncake trace (prompts up to 191k tokens, hash_ids per 512-token
+block; its timestamps rescaled to the rate) on llama-3.1-8b (131,072-token context) on one
+H100, and `sharegpt-multiturn` (every ShareGPT turn with the conversation so far, real token
+ids). Four parts:
+
+    prefix     vllm with prefix caching on and off: TTFT p50, prefill tokens computed, and
+               the share of prompt tokens found cached (and the trace's own prefix share)
+    policies   every policy on the long-context trace at a load vllm serves below 50% KV:
+               throughput / vllm's, preemptions / requests (targets 0.9 and 1)
+    capacity   sarathi vs vllm under the relaxed Sarathi SLO rule (P99 TBT <= 25x a decode
+               iteration, median queueing <= 2 s), sarathi with and without time-priced chunks
+    routers    round_robin, least_work, prefix_aware on 4 workers: TTFT p50 and hits
+
+Requests' max_tokens are capped at 2,048 (`--max-tokens`): a client of a 128k model asks
+for an answer, not for the whole context; the trace's longest answer is 893 tokens. Orca's
+and EconoServe's reservations depend on it (with no cap each reserves up to 128k tokens).
+Length-using policies get the oracle (the papers' "Oracle" line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from scheduler_service import policies  # noqa: F401  (registration)
+from scheduler_service.core.policy import POLICIES
+from scheduler_service.costmodel.base import CostModel
+from scheduler_service.costmodel.factory import build_cost_model
+from scheduler_service.sim.capacity import find_capacity, parse_rule
+from scheduler_service.sim.simulator import SimConfig, SimRun, simulate
+from scheduler_service.sim.slo_profiles import apply_slo_profile
+from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
+
+MODEL, HARDWARE, MAX_TOKENS = "llama-3.1-8b", "h100-80g", 2048
+BASE = SimConfig(max_tokens=MAX_TOKENS, length_source="oracle")
+
+
+def workload(trace: str, n: int, rate: float, cm: CostModel, slo: str = "none") -> Workload:
+    wl = load_trace(trace, num_requests=n, seed=0)
+    wl = apply_arrivals(wl, "auto" if wl.has_arrivals else "poisson", rate=rate, seed=0)
+    return apply_slo_profile(slo, wl, cm, seed=0)
+
+
+def summary(run: SimRun) -> dict[str, Any]:
+    m, d = run.metrics, run.details
+    return {
+        "throughput_req_s": m["throughput_req_s"],
+        "throughput_tok_s": m["throughput_tok_s"],
+        "ttft_p50_s": m["ttft_s"]["p50"],
+        "ttft_p99_s": m["ttft_s"]["p99"],
+        "tbt_p99_s": m["tbt_s"]["p99"],
+        "kv_util": m["kv_util_mean"],
+        "preemptions": m["preemptions"],
+        "num_requests": m["num_requests"],
+        "num_finished": m["num_finished"],
+        "rejected": d["rejected_by_reason"],
+        "prefill_tokens": d["prefill_tokens"],
+        "prefix_cache": d["prefix_cache"],
+        "pad_tokens": d["pad_tokens"],
+    }
+
+
+def run(config: SimConfig, wl: Workload, cm: CostModel) -> dict[str, Any]:
+    return summary(simulate(config, wl, cm))
+
+
+def prefix_part(cm: CostModel, scenarios: list[tuple[str, str, int, float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, trace, n, rate in tqdm(scenarios, desc="prefix caching on/off", unit="trace"):
+        wl = workload(trace, n, rate, cm)
+        on = run(replace(BASE, policy="vllm"), wl, cm)
+        off = run(replace(BASE, policy="vllm", prefix_caching=False), wl, cm)
+        share = on["prefix_cache"]["hit_rate"] or 0.0
+        out[name] = {
+            "trace": trace,
+            "requests": n,
+            "rate": rate,
+            "on": on,
+            "off": off,
+            "cached_share": share,
+            "trace_prefix_share": trace_prefix_share(wl),
+            "ttft_p50_drop": 1 - on["ttft_p50_s"] / off["ttft_p50_s"],
+            "prefill_drop": 1 - on["prefill_tokens"] / off["prefill_tokens"],
+        }
+    return out
+
+
+def trace_prefix_share(wl: Workload) -> float:
+    """Share of prompt tokens an earlier request of the trace already had as a prefix (what an
+    unbounded cache could skip), from hash_ids (512-token blocks) or the multi-turn metadata."""
+    if "prefix_share" in wl.metadata:
+        return float(wl.metadata["prefix_share"])
+    seen: set[tuple[int, ...]] = set()
+    total = hit = 0
+    per = int(wl.metadata.get("prefix_block_tokens", 512))
+    for r in wl.requests:
+        ids, k = r.prefix_hash_ids, 0
+        while k < len(ids) and ids[: k + 1] in seen:
+            k += 1
+        total += r.prompt_tokens
+        hit += min(k * per, r.prompt_tokens - 1)
+        seen.update(ids[: i + 1] for i in range(len(ids)))
+    return hit / total if total else 0.0
+
+
+def policies_part(cm: CostModel, n: int, rates: list[float]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    jobs = [(rate, p) for rate in rates for p in POLICIES.names()]
+    for rate, policy in tqdm(jobs, desc="policies on long contexts", unit="run"):
+        wl = workload("mooncake", n, rate, cm)
+        router = "scls" if policy == "scls" else "round_robin"  # SCLS is its router plus its policy
+        out.setdefault(str(rate), {})[policy] = run(replace(BASE, policy=policy, router=router), wl, cm)
+    return out
+
+
+def capacity_part(cm: CostModel, n: int) -> dict[str, Any]:
+    base = load_trace("mooncake", num_requests=n, seed=0)
+    probe = apply_slo_profile("sarathi-relaxed", apply_arrivals(base, "auto", rate=1.0, seed=0), cm, seed=0)
+    tbt = float(np.median([r.slo.tbt_s for r in probe.requests]))
+    out: dict[str, Any] = {"tbt_slo_s": tbt}
+    for policy in tqdm(["vllm", "sarathi", "sarathi:price_in_time=false"], desc="capacity", unit="policy"):
+
+        def run_at(rate: float, policy: str = policy) -> SimRun:
+            wl = apply_slo_profile("sarathi-relaxed", apply_arrivals(base, "auto", rate=rate, seed=0), cm, seed=0)
+            result = simulate(replace(BASE, policy=policy), wl, cm)
+            result.config["rate"] = rate
+            return result
+
+        found = find_capacity(run_at, parse_rule("sarathi"), tbt, start_rate=0.25, rel_tol=0.05)
+        at = found.run_at_capacity
+        out[policy] = {
+            "capacity_req_s": found.capacity_req_s,
+            "probes": found.probes,
+            "tbt_p99_at_capacity_s": at.metrics["tbt_s"]["p99"] if at else None,
+        }
+    return out
+
+
+def routers_part(cm: CostModel, scenarios: list[tuple[str, str, int, float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    jobs = [(s, r) for s in scenarios for r in ("round_robin", "least_work", "prefix_aware")]
+    for (name, trace, n, rate), router in tqdm(jobs, desc="routers, 4 workers", unit="run"):
+        wl = workload(trace, n, rate, cm)
+        config = replace(BASE, policy="vllm", num_workers=4, router=router)
+        out.setdefault(name, {"trace": trace, "requests": n, "rate": rate})[router] = run(config, wl, cm)
+    return out
+
+
+def print_tables(results: dict[str, Any]) -> None:
+    print("\n## prefix caching (vllm, one H100)")
+    print("| trace | rate | cached share (trace's) | TTFT p50 off -> on | drop | prefill tokens off -> on | drop |")
+    for r in results["prefix"].values():
+        on, off = r["on"], r["off"]
+        print(
+            f"| {r['trace']} ({r['requests']}) | {r['rate']} | {r['cached_share']:.1%} ({r['trace_prefix_share']:.1%}) "
+            f"| {off['ttft_p50_s']:.3f} -> {on['ttft_p50_s']:.3f} s | {r['ttft_p50_drop']:.1%} "
+            f"| {off['prefill_tokens']:,} -> {on['prefill_tokens']:,} | {r['prefill_drop']:.1%} |"
+        )
+    for rate, runs in results["policies"].items():
+        vllm = runs["vllm"]
+        print(f"\n## every policy, mooncake at {rate} req/s (vllm KV {vllm['kv_util']:.0%})")
+        print("| policy | req/s | / vllm | preemptions / requests | TTFT p50 | TBT p99 | KV | pad tokens |")
+        for policy, r in runs.items():
+            print(
+                f"| {policy} | {r['throughput_req_s']:.3f} | {r['throughput_req_s'] / vllm['throughput_req_s']:.2f} "
+                f"| {r['preemptions']} / {r['num_requests']} | {r['ttft_p50_s'] or 0:.2f} | {r['tbt_p99_s'] or 0:.3f} "
+                f"| {r['kv_util'] or 0:.2f} | {r['pad_tokens']:,} |"
+            )
+    cap = results["capacity"]
+    print(f"\n## capacity, relaxed SLO (P99 TBT <= {cap['tbt_slo_s']:.3f} s, median queueing <= 2 s)")
+    for policy, r in cap.items():
+        if policy != "tbt_slo_s":
+            print(f"| {policy} | {r['capacity_req_s']:.3f} req/s | P99 TBT there {r['tbt_p99_at_capacity_s']} |")
+    for name, runs in results["routers"].items():
+        print(f"\n## routers, 4 workers, {name} at {runs['rate']} req/s")
+        for router in ("round_robin", "least_work", "prefix_aware"):
+            r = runs[router]
+            print(
+                f"| {router} | TTFT p50 {r['ttft_p50_s']:.3f} s | p99 {r['ttft_p99_s']:.2f} s "
+                f"| hits {r['prefix_cache']['hit_rate']:.1%} | {r['throughput_req_s']:.2f} req/s |"
+            )
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rate, runs = next(reversed(results["policies"].items()))
+    names = list(runs)
+    vllm = runs["vllm"]["throughput_req_s"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    axes[0].bar(names, [runs[p]["throughput_req_s"] / vllm for p in names], color="tab:blue")
+    axes[0].axhline(0.9, color="tab:red", linestyle="--", label="target 0.9")
+    axes[0].set_title(f"throughput / vllm, mooncake at {rate} req/s", fontsize=9)
+    axes[0].legend(fontsize=8)
+    axes[0].tick_params(axis="x", rotation=40, labelsize=8)
+    routers = results["routers"]
+    labels = list(routers)
+    xs = np.arange(len(labels))
+    for i, router in enumerate(("round_robin", "least_work", "prefix_aware")):
+        axes[1].bar(xs + 0.27 * (i - 1), [routers[k][router]["ttft_p50_s"] for k in labels], 0.27, label=router)
+    axes[1].set_xticks(xs, labels, fontsize=8)
+    axes[1].set_title("TTFT p50 (s), 4 workers", fontsize=9)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="docs/long_context", help="writes OUT.json and OUT.png")
+    parser.add_argument(
+        "--requests", type=int, default=1000, help="Mooncake requests of the policies and capacity parts"
+    )
+    parser.add_argument("--rates", default="0.5,1.0", help="Mooncake rates of the policies part (req/s)")
+    args = parser.parse_args()
+    cm = build_cost_model("analytic", MODEL, HARDWARE)
+    prefix_scenarios = [
+        ("mooncake", "mooncake", 3993, 1.0),
+        ("sharegpt-multiturn", "sharegpt-multiturn", 2000, 4.0),
+    ]
+    router_scenarios = [
+        ("sharegpt-multiturn", "sharegpt-multiturn", 2000, 12.0),
+        ("mooncake", "mooncake", 3993, 3.0),
+    ]
+    results = {
+        "model": MODEL,
+        "hardware": HARDWARE,
+        "max_tokens": MAX_TOKENS,
+        "prefix": prefix_part(cm, prefix_scenarios),
+        "policies": policies_part(cm, args.requests, [float(x) for x in args.rates.split(",")]),
+        "capacity": capacity_part(cm, min(args.requests, 600)),
+        "routers": routers_part(cm, router_scenarios),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    plot(results, out.with_suffix(".png"))
+    print_tables(results)
+    print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
