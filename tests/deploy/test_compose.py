@@ -94,6 +94,15 @@ def test_the_scheduler_dials_every_worker_at_its_port(compose) -> None:
     assert sorted(dialled) == sorted(f"{n}:{s['environment']['SLUICE_PORT']}" for n, s in workers.items())
 
 
+def test_the_scheduler_asks_the_predictor_which_uses_redis(compose) -> None:
+    services = compose["services"]
+    predictor = services["predictor"]["environment"]
+    assert services["scheduler"]["environment"]["SLUICE_PREDICTOR"] == f"predictor:{predictor['SLUICE_PORT']}"
+    assert services["scheduler"]["depends_on"]["predictor"]["condition"] == "service_healthy"
+    assert predictor["SLUICE_REDIS_URL"].startswith("redis://redis:6379/")
+    assert services["predictor"]["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
 def test_every_sluice_service_listens_beyond_loopback_and_checks_its_own_readiness(compose) -> None:
     for name, service in sluice_services(compose).items():
         env = service["environment"]
