@@ -3,9 +3,10 @@
     --workers-dns NAME:PORT (repeat, or comma-separated)    e.g. a Kubernetes headless Service
     every refresh_s:  resolve each NAME (getaddrinfo, as gRPC's own DNS resolver does) ->
                       every address it answers becomes a worker at ADDRESS:PORT
-        new address        LiveScheduler.add_worker (Info, Warmup, a loop); one that cannot be
-                           reached yet is tried again at the next refresh, one that serves
-                           another model (or less) is refused until it leaves the name
+        new address        LiveScheduler.add_worker (Info, Warmup, a loop), beside the refreshes;
+                           one that cannot be reached yet is tried again at the next refresh,
+                           one that serves another model (or less) is refused until it leaves
+                           the name
         address gone       LiveScheduler.remove_worker after `drop_after` resolutions in a row
                            without it: its requests are re-queued as a dead worker's are
         resolution fails   nothing changes (a DNS outage never empties the cluster)
@@ -98,6 +99,7 @@ class WorkerDiscovery:
         self.managed: set[str] = set()  # addresses this discovery added (or found at start)
         self.refused: set[str] = set()  # serve another model: not tried again while listed
         self._missing: dict[str, int] = {}  # managed address -> resolutions in a row without it
+        self._adding: dict[str, asyncio.Task] = {}  # joins in progress
         self.num_added = 0
         self.num_removed = 0
         self.num_requeued = 0  # requests the removed workers held, re-queued on the others
@@ -130,13 +132,19 @@ class WorkerDiscovery:
             await asyncio.sleep(self.refresh_s)
 
     async def run(self, live: Membership) -> None:
-        while not live.closing:
-            await asyncio.sleep(self.refresh_s)
-            try:
-                await self.refresh(live)
-            except Exception:
-                # NOTE: a bug here must not stop discovery for the scheduler's lifetime.
-                log.exception("workers_dns: refresh failed")
+        try:
+            while not live.closing:
+                await asyncio.sleep(self.refresh_s)
+                try:
+                    await self.refresh(live)
+                except Exception:
+                    # NOTE: a bug here must not stop discovery for the scheduler's lifetime.
+                    log.exception("workers_dns: refresh failed")
+        finally:
+            adding = list(self._adding.values())
+            for task in adding:
+                task.cancel()
+            await asyncio.gather(*adding, return_exceptions=True)
 
     async def refresh(self, live: Membership) -> None:
         """One reconciliation: add what the names answer and the cluster lacks, remove what
@@ -146,7 +154,7 @@ class WorkerDiscovery:
             return
         self.refused &= found
         known = live.worker_addresses()
-        new = sorted(a for a in found if a not in known and a not in self.refused)
+        new = sorted(a for a in found if a not in known and a not in self.refused and a not in self._adding)
         gone = []
         for address in sorted(self.managed - found):
             self._missing[address] = self._missing.get(address, 0) + 1
@@ -160,7 +168,10 @@ class WorkerDiscovery:
             if address in known:
                 self.num_requeued += len(await live.remove_worker(address))
                 self.num_removed += 1
-        await asyncio.gather(*(self._add(live, a) for a in new))
+        # NOTE: joins run beside the refreshes: a worker slow to answer (or leased to a previous
+        # scheduler until its lease lapses) delays neither the others nor the removals.
+        for address in new:
+            self._adding[address] = asyncio.create_task(self._add(live, address), name=f"sluice-join-{address}")
 
     async def _add(self, live: Membership, address: str) -> None:
         try:
@@ -172,6 +183,8 @@ class WorkerDiscovery:
         except WorkerLost as exc:  # not reachable (or leased elsewhere) yet
             log.warning("workers_dns: worker %s not added yet: %s", address, exc)
             return
+        finally:
+            self._adding.pop(address, None)
         self.managed.add(address)
         self.num_added += 1
 

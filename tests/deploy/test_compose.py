@@ -17,9 +17,11 @@ from deploy_checks import check_contract, need_tool
 from sluice.common.paths import repo_root
 
 COMPOSE = repo_root() / "docker-compose.yml"
+# The service each health check asks for. Workers: liveness, since they turn ready only when
+# the scheduler warms them up, and the scheduler starts once their check passes.
 SERVICE_NAMES = {
     "scheduler": "sluice.v1.GenerationService",
-    "worker": "sluice.v1.WorkerService",
+    "worker": "",
     "predictor": "sluice.v1.PredictorService",
 }
 

@@ -21,9 +21,12 @@ K8S = repo_root() / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
 # NOTE: native grpc probes are GA since 1.27 and the StatefulSet pod-index label since 1.28.
 KUBERNETES_VERSIONS = ("1.28.0", "1.37.0")
+# The service of each readiness probe. Workers: liveness (""), since the WorkerService turns
+# SERVING only when the scheduler warms the worker up, and the scheduler discovers workers
+# through the headless Service, which answers ready pods only.
 READINESS = {
     "sluice-scheduler": "sluice.v1.GenerationService",
-    "sluice-worker": "sluice.v1.WorkerService",
+    "sluice-worker": "",
     "sluice-predictor": "sluice.v1.PredictorService",
 }
 USER_ID = 10001  # USER of every image in deploy/docker/
@@ -116,7 +119,8 @@ def test_grpc_probes_use_liveness_and_the_services_readiness_on_its_port(overlay
         assert container["ports"][0] == {"name": "grpc", "containerPort": port}, name
         for probe in ("startupProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": port}, f"{name} {probe}: liveness is the '' service"
-        assert container["readinessProbe"]["grpc"] == {"port": port, "service": READINESS[name]}, name
+        expected = {"port": port, "service": READINESS[name]} if READINESS[name] else {"port": port}
+        assert container["readinessProbe"]["grpc"] == expected, name
 
 
 def test_scrape_annotations_name_each_services_metrics_port(overlay) -> None:
