@@ -397,11 +397,10 @@ async def start_scheduler(cfg: SchedulerServiceConfig, addresses: Sequence[str],
         serving = ServingMetrics(getattr(cfg, "model", ""))
         port = start_metrics_server(cfg.metrics_port, serving, cfg.host)
         print(f"sluice metrics on http://{cfg.host}:{port}/metrics", flush=True)
-    live = LiveScheduler(addresses, cfg.live_config(), serving, security=worker_client_security(cfg))
-    server = await SchedulerServer.start(live, cfg.port, host=cfg.host, security=security, health_port=cfg.health_port)
-    if discovery is not None:
-        live.start_discovery(discovery)
-    return server
+    live = LiveScheduler(
+        addresses, cfg.live_config(), serving, security=worker_client_security(cfg), discovery=discovery
+    )
+    return await SchedulerServer.start(live, cfg.port, host=cfg.host, security=security, health_port=cfg.health_port)
 
 
 def _describe(server: Any) -> str:

@@ -18,8 +18,10 @@ then marks it down at once (its requests move), and the removal that follows onl
 it. `drop_after` (2) rides out a readiness probe that fails once.
 
 Workers named with `--worker` are never removed by discovery; an address both lists name is
-one worker. `resolver` is the seam for tests and other name services: a coroutine from a
-host name to its IP addresses.
+one worker. With TLS, a discovered worker's certificate is checked against the name resolved
+(e.g. `sluice-worker`), not the IP it is dialled at, as gRPC's own DNS resolver does.
+`resolver` is the seam for tests and other name services: a coroutine from a host name to its
+IP addresses.
 """
 
 from __future__ import annotations
@@ -100,21 +102,28 @@ class WorkerDiscovery:
         self.refused: set[str] = set()  # serve another model: not tried again while listed
         self._missing: dict[str, int] = {}  # managed address -> resolutions in a row without it
         self._adding: dict[str, asyncio.Task] = {}  # joins in progress
+        self._names: dict[str, str] = {}  # address -> the name it was resolved from
         self.num_added = 0
         self.num_removed = 0
         self.num_requeued = 0  # requests the removed workers held, re-queued on the others
 
     async def resolve(self) -> set[str] | None:
         """The addresses the names answer now; None when any name failed to resolve."""
-        found: set[str] = set()
+        names: dict[str, str] = {}
         for target in self.targets:
             try:
                 ips = await self.resolver(target.host)
             except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError
                 log.warning("workers_dns: %s did not resolve (%s): the worker set is unchanged", target.host, exc)
                 return None
-            found.update(target.address(ip) for ip in ips)
-        return found - self.static
+            names.update((target.address(ip), target.host) for ip in ips)
+        found = set(names) - self.static
+        self._names = {a: n for a, n in self._names.items() if a in self.managed} | names
+        return found
+
+    def authority(self, address: str) -> str | None:
+        """The name `address` was resolved from (TLS checks the worker's certificate against it)."""
+        return self._names.get(address)
 
     async def initial(self, timeout_s: float) -> list[str]:
         """The discovered part of the first worker set, waiting (re-resolving every refresh)

@@ -135,9 +135,11 @@ class LiveScheduler:
         *,
         security: ClientSecurity = PLAINTEXT,
         keepalive: Keepalive = KEEPALIVE,
+        discovery: WorkerDiscovery | None = None,
     ) -> None:
         """`security`: how the workers are dialled (TLS files, their API key); `keepalive`:
-        the channel settings of the worker connections (tests shorten them)."""
+        the channel settings of the worker connections (tests shorten them); `discovery`: keeps
+        the worker set equal to what it resolves, from start() to close()."""
         if not addresses:
             raise ValueError("the scheduler needs at least one worker address")
         self.addresses = list(addresses)
@@ -155,7 +157,7 @@ class LiveScheduler:
         self.num_tokens_out = 0
         self.num_tokenizing = 0  # text prompts on the tokenizer thread: they count as waiting
         self.predictor: PredictorLink | None = None
-        self.discovery: WorkerDiscovery | None = None  # set by start_discovery
+        self.discovery = discovery
         # NOTE: two pools: a long prompt being encoded never delays a step's detokenizing.
         self._encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-encode")
         self._decode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-decode")
@@ -177,6 +179,8 @@ class LiveScheduler:
             self.loops[remote.worker_id] = WorkerLoop(self, remote, cap)
         self.started_at = self.clock()
         self._tasks = [asyncio.create_task(loop.run(), name=f"sluice-worker-{w}") for w, loop in self.loops.items()]
+        if self.discovery is not None:
+            self._tasks.append(asyncio.create_task(self.discovery.run(self), name="sluice-discovery"))
         log.info(
             "live scheduler config: %s; cost model %s on %s; workers: %s",
             asdict(cfg),
@@ -187,6 +191,11 @@ class LiveScheduler:
 
     def _remote(self, worker_id: int, address: str) -> RemoteWorker:
         options = self.keepalive.channel_options()
+        name = self.discovery.authority(address) if self.discovery is not None else None
+        if name is not None and self.security.tls is not None:
+            # NOTE: a discovered worker is dialled at an IP; its certificate is checked against
+            # the name that was resolved (as gRPC's own DNS resolver does), not the IP.
+            options = (*options, ("grpc.ssl_target_name_override", name))
         return RemoteWorker(
             worker_id, address, self.config.step_timeout_s, security=self.security, channel_options=options
         )
@@ -441,12 +450,6 @@ class LiveScheduler:
         self.settle()
 
     # ------------------------------------------------------------------ scaling
-    def start_discovery(self, discovery: WorkerDiscovery) -> None:
-        """Keeps the worker set equal to what `discovery` resolves (after start()); close()
-        stops it with the loops."""
-        self.discovery = discovery
-        self._tasks.append(asyncio.create_task(discovery.run(self), name="sluice-discovery"))
-
     def worker_addresses(self) -> dict[str, int]:
         """The address of every worker in the cluster now (down ones included), to its id."""
         return {loop.remote.address: w for w, loop in self.loops.items()}

@@ -19,11 +19,13 @@ from fault_harness import Ending, Stack, prompt, sampling
 
 from scheduler_service.live.discovery import DnsTarget, WorkerDiscovery, resolve_host
 from services.serve import SchedulerServiceConfig, start_scheduler
+from sluice.common.certs import write_dev_pki
 from sluice.common.grpc_server import GrpcServer
+from sluice.common.security import PLAINTEXT, ClientSecurity, SecurityConfig, ServerSecurity
 from sluice.v1 import generation_pb2
 from worker_service.echo_engine import EchoEngine
 from worker_service.engine import EngineConfig
-from worker_service.server import build_server
+from worker_service.server import WorkerServerOptions, build_server
 
 NAME = "workers.sluice.test"
 IPS = [f"127.0.0.{i}" for i in range(2, 8)]
@@ -58,9 +60,12 @@ def free_port_on_all(ips: list[str]) -> int:
     raise RuntimeError("no port free on every loopback address")
 
 
-async def echo_worker(ip: str, port: int, worker_id: int, model: str = "tiny-llama") -> GrpcServer:
+async def echo_worker(
+    ip: str, port: int, worker_id: int, model: str = "tiny-llama", security: ServerSecurity | None = None
+) -> GrpcServer:
     engine = EchoEngine(EngineConfig(model=model), step_time_s=0.003)
-    server = build_server(engine, port, host=ip, worker_id=worker_id)
+    options = WorkerServerOptions(security=security) if security is not None else None
+    server = build_server(engine, port, host=ip, worker_id=worker_id, options=options)
     await server.start(ready=False)
     return server
 
@@ -87,10 +92,15 @@ def scheduler_config(port: int, **extra: object) -> SchedulerServiceConfig:
     )
 
 
-async def with_stack(cfg: SchedulerServiceConfig, hosts: HostsTable, body: Callable[[Stack], Awaitable[None]]) -> None:
+async def with_stack(
+    cfg: SchedulerServiceConfig,
+    hosts: HostsTable,
+    body: Callable[[Stack], Awaitable[None]],
+    client: ClientSecurity = PLAINTEXT,
+) -> None:
     server = await start_scheduler(cfg, [], resolver=hosts.resolve)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        async with client.channel(f"127.0.0.1:{server.port}") as channel:
             await body(Stack(server, channel))
     finally:
         await server.stop(grace_s=1.0, drain_s=0.0)
@@ -237,6 +247,36 @@ async def test_a_failed_resolution_changes_nothing_and_another_model_is_refused(
 
     try:
         await with_stack(scheduler_config(port), hosts, body)
+    finally:
+        for server in workers.values():
+            await server.server.stop(None)
+
+
+async def test_under_tls_a_discovered_worker_is_verified_against_the_name_not_its_ip(tmp_path) -> None:
+    # the workers' certificate names the Service (and loopback 127.0.0.1), not 127.0.0.2/.3
+    write_dev_pki(tmp_path, ["scheduler", "worker"], hosts=[NAME])
+    tls = {name: SecurityConfig(
+        tls_cert=str(tmp_path / f"{name}.crt"), tls_key=str(tmp_path / f"{name}.key"), tls_ca=str(tmp_path / "ca.crt")
+    ) for name in ("scheduler", "worker")}  # fmt: skip
+    port = free_port_on_all(IPS[:2])
+    hosts = HostsTable()
+    security = ServerSecurity.from_config(tls["worker"])
+    workers = {IPS[0]: await echo_worker(IPS[0], port, 0, security=security)}
+    hosts.names[NAME] = IPS[:1]
+
+    async def body(s: Stack) -> None:
+        workers[IPS[1]] = await echo_worker(IPS[1], port, 1, security=security)
+        hosts.names[NAME] = IPS[:2]
+        await wait_for(lambda: len(s.live.worker_addresses()) == 2)
+        calls = [s.generate(token_ids=prompt(i), sampling_params=sampling(6)) for i in range(4)]
+        endings = await asyncio.gather(*calls)
+        assert all(e.ok and len(e.tokens) == 6 for e in endings)
+        assert all(loop.num_steps > 0 for loop in s.live.loops.values()), "both workers served over TLS"
+
+    cfg = scheduler_config(port, tls_cert=tls["scheduler"].tls_cert, tls_key=tls["scheduler"].tls_key)
+    cfg.tls_ca = tls["scheduler"].tls_ca
+    try:
+        await with_stack(cfg, hosts, body, client=ClientSecurity.from_config(tls["scheduler"]))
     finally:
         for server in workers.values():
             await server.server.stop(None)
