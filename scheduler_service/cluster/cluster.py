@@ -141,12 +141,12 @@ class Cluster:
         as build_cluster builds every worker's, then the router's pool is offered to it.
         Returns its id: ids are never reused, so the spec's `workers[id]` stays its own."""
         worker_id = len(self.spec.workers)
-        self.spec = replace(self.spec, workers=(*self.spec.workers, worker))  # checks the block size
-        spec = self.spec
+        spec = replace(self.spec, workers=(*self.spec.workers, worker))  # checks the block size
+        policy = build_policy(spec.policy, spec.policy_context(worker_id))
         manager = self.kv.add_worker(
             worker_id, worker.num_gpu_blocks, worker.num_cpu_blocks, worker.block_size, spec.prefix_caching
         )
-        policy = build_policy(spec.policy, spec.policy_context(worker_id))
+        self.spec = spec
         self.schedulers[worker_id] = Scheduler(worker_id, manager, policy, spec.scheduler_config(), self.metrics)
         self.healthy[worker_id] = True
         self.release_held(now)
