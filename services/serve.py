@@ -625,5 +625,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
+    from scheduler_service.live.discovery import NoWorkerFound
+
     _logging()
-    return asyncio.run(serve_scheduler(config_from(SchedulerServiceConfig, args, file=args.config)))
+    try:
+        return asyncio.run(serve_scheduler(config_from(SchedulerServiceConfig, args, file=args.config)))
+    except NoWorkerFound as exc:  # an orchestrator restarts us; the line says what was waited for
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

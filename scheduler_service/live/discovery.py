@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 Resolver = Callable[[str], Awaitable[list[str]]]
 
 
+class NoWorkerFound(TimeoutError):
+    """The names answered no worker address in time (at start)."""
+
+
 class Membership(Protocol):
     """What discovery needs of the LiveScheduler (which imports this module)."""
 
@@ -137,7 +141,7 @@ class WorkerDiscovery:
                 return sorted(found)
             if loop.time() + self.refresh_s > deadline:
                 names = ", ".join(f"{t.host}:{t.port}" for t in self.targets)
-                raise TimeoutError(f"workers_dns: no worker address for {names} within {timeout_s:g} s")
+                raise NoWorkerFound(f"workers_dns: no worker address for {names} within {timeout_s:g} s")
             await asyncio.sleep(self.refresh_s)
 
     async def run(self, live: Membership) -> None:
@@ -203,4 +207,4 @@ def parse_targets(values: Sequence[str]) -> list[DnsTarget]:
     return [DnsTarget.parse(v) for value in values for v in value.split(",") if v.strip()]
 
 
-__all__ = ["DnsTarget", "Membership", "WorkerDiscovery", "parse_targets", "resolve_host"]
+__all__ = ["DnsTarget", "Membership", "NoWorkerFound", "WorkerDiscovery", "parse_targets", "resolve_host"]

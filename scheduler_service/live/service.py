@@ -167,12 +167,7 @@ class LiveScheduler:
     async def start(self) -> None:
         cfg = self.config
         remotes = [self._remote(w, addr) for w, addr in enumerate(self.addresses)]
-        warmup = self._warmup_options()
-        try:
-            caps = await asyncio.gather(*(r.connect_patiently(warmup, cfg.connect_timeout_s) for r in remotes))
-        except WorkerLost:
-            await asyncio.gather(*(r.close() for r in remotes))
-            raise
+        remotes, caps = await self._connect_all(remotes, self._warmup_options())
         self._check_alike(caps)
         self._build(caps)
         for remote, cap in zip(remotes, caps, strict=True):
@@ -188,6 +183,29 @@ class LiveScheduler:
             self.spec.cost_model.hardware.name,
             [(c.model, c.num_gpu_blocks, c.num_cpu_blocks, c.hardware.name) for c in caps],
         )
+
+    async def _connect_all(
+        self, remotes: list[RemoteWorker], warmup: WarmupOptions
+    ) -> tuple[list[RemoteWorker], list[WorkerCapacity]]:
+        """Info and Warmup of every worker at start. A listed (`--worker`) worker that cannot be
+        had is fatal; a discovered one is left for discovery to add later (it may have gone since
+        it was resolved), as long as one worker is had. Ids follow the workers kept."""
+        timeout = self.config.connect_timeout_s
+        results = await asyncio.gather(*(r.connect_patiently(warmup, timeout) for r in remotes), return_exceptions=True)
+        failed = [(r, e) for r, e in zip(remotes, results, strict=True) if isinstance(e, BaseException)]
+        static = self.discovery.static if self.discovery is not None else None
+        fatal = [e for r, e in failed if static is None or r.address in static or not isinstance(e, WorkerLost)]
+        if fatal or len(failed) == len(remotes):
+            await asyncio.gather(*(r.close() for r in remotes))
+            raise (fatal or [failed[0][1]])[0]
+        for remote, exc in failed:
+            log.warning("discovered worker %s not had at start (%s): discovery tries it again", remote.address, exc)
+            await remote.close()
+        kept = [(r, c) for r, c in zip(remotes, results, strict=True) if isinstance(c, WorkerCapacity)]
+        for worker_id, (remote, _) in enumerate(kept):
+            remote.worker_id = worker_id
+        self.addresses = [r.address for r, _ in kept]
+        return [r for r, _ in kept], [c for _, c in kept]
 
     def _remote(self, worker_id: int, address: str) -> RemoteWorker:
         options = self.keepalive.channel_options()

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
-from fault_harness import Ending, Stack, prompt, sampling
+from fault_harness import Ending, Stack, prompt, sampling, spawn_worker_process
 
 from scheduler_service.live.discovery import DnsTarget, WorkerDiscovery, resolve_host
 from services.serve import SchedulerServiceConfig, start_scheduler
@@ -280,6 +280,46 @@ async def test_under_tls_a_discovered_worker_is_verified_against_the_name_not_it
     finally:
         for server in workers.values():
             await server.server.stop(None)
+
+
+async def test_a_resolved_worker_that_is_gone_at_start_is_left_to_discovery() -> None:
+    port = free_port_on_all(IPS[:2])
+    hosts = HostsTable()
+    workers = {IPS[0]: await echo_worker(IPS[0], port, 0)}
+    hosts.names[NAME] = IPS[:2]  # nothing listens at the second (yet)
+
+    async def body(s: Stack) -> None:
+        assert list(s.live.worker_addresses()) == [f"{IPS[0]}:{port}"]
+        workers[IPS[1]] = await echo_worker(IPS[1], port, 1)
+        await wait_for(lambda: len(s.live.worker_addresses()) == 2)
+        calls = [s.generate(token_ids=prompt(i), sampling_params=sampling(6)) for i in range(4)]
+        assert all(e.ok and len(e.tokens) == 6 for e in await asyncio.gather(*calls))
+
+    try:
+        await with_stack(scheduler_config(port, connect_timeout_s=2.0), hosts, body)
+    finally:
+        for server in workers.values():
+            await server.server.stop(None)
+
+
+async def test_a_worker_process_found_through_the_system_resolver_serves() -> None:
+    """`sluice worker` on 127.0.0.1 and the scheduler told `--workers-dns localhost:PORT`: the
+    system resolver may also answer ::1, where nothing listens; that address is left to
+    discovery and the start goes on with the worker it had."""
+    worker = await spawn_worker_process(0, step_ms=1.0)
+    try:
+        cfg = scheduler_config(worker.port, connect_timeout_s=3.0)
+        cfg.workers_dns = [f"localhost:{worker.port}"]
+        server = await start_scheduler(cfg, [])
+        try:
+            assert list(server.live.worker_addresses()) == [worker.address]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                ending = await Stack(server, channel).generate(token_ids=prompt(0), sampling_params=sampling(5))
+            assert ending.ok and len(ending.tokens) == 5
+        finally:
+            await server.stop(grace_s=1.0, drain_s=0.0)
+    finally:
+        worker.stop()
 
 
 async def test_the_system_resolver_answers_a_real_name() -> None:
