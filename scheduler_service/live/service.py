@@ -546,11 +546,13 @@ class LiveScheduler:
                 trace.event("worker_removed", {"worker_id": worker_id})
                 trace.phase("queue")
         self.metrics.on_worker_removed(worker_id)
+        ended = sum(r.status.is_finished for r in moved)  # no worker left to take them
         log.warning(
-            "worker %d at %s removed: %d requests re-queued, %d workers left",
+            "worker %d at %s removed: %d requests re-queued, %d ended; %d workers left",
             worker_id,
             address,
-            len(moved),
+            len(moved) - ended,
+            ended,
             len(self.loops),
         )
         self.settle()
