@@ -167,7 +167,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     from predictor_service.engine import EngineConfig
     from predictor_service.server import build_engine, start_server
+    from sluice.common.telemetry import setup_tracing
 
+    # NOTE: before the server is built: its OpenTelemetry interceptor comes with tracing (as the
+    # scheduler's and the worker's); nothing is installed unless the OTEL_* variables ask for it.
+    setup_tracing("sluice-predictor")
     cfg = config_from(PredictorServeConfig, args, file=args.config)
     if cfg.device not in ("auto", "cpu", "cuda") or cfg.precision not in (None, "fp32", "int8"):
         raise ValueError(f"--device must be auto, cpu or cuda and --precision fp32 or int8, got {cfg}")

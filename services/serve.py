@@ -13,6 +13,10 @@
         same port, so the scheduler's reconnect finds it; when that port is taken it starts
         on a new one and the scheduler is told the new address.
     sluice scheduler --worker HOST:PORT [--worker ...] [--policy P] [--port N]
+    sluice scheduler --workers-dns NAME:PORT [--workers-dns-refresh-s S]
+        the workers are every address NAME resolves to (a Kubernetes headless Service),
+        re-resolved every S seconds: workers join and leave without a restart
+        (scheduler_service/live/discovery.py); --worker and --workers-dns combine
 
 Security (SecurityConfig, shared with the worker): api_key clients must send; tls_cert,
 tls_key, tls_ca turn on TLS (mutual with a CA) for the scheduler's port and, with `serve`, the
@@ -64,6 +68,12 @@ class SchedulerServiceConfig(LiveConfig, SecurityConfig):
     worker: list[str] = opt(
         default_factory=list, help="HOST:PORT of a running worker (repeat the flag, or a comma-separated list)"
     )
+    workers_dns: list[str] = opt(
+        default_factory=list,
+        help="NAME:PORT resolved to the workers, every address one (a headless Service); re-resolved to scale",
+    )
+    workers_dns_refresh_s: float = opt(5.0, "seconds between two resolutions of workers_dns")
+    workers_dns_drop_after: int = opt(2, "a worker leaves after this many resolutions in a row without its address")
     metrics_port: int | None = opt(None, "serve Prometheus /metrics on this port")
     grace_s: float = opt(5.0, "seconds in-flight streams get to finish at shutdown")
     worker_api_key: str | None = opt(None, "the API key the workers require; none: the first of api_key")
@@ -351,10 +361,32 @@ class Supervisor:
 # ---------------------------------------------------------------- the scheduler
 
 
-async def start_scheduler(cfg: SchedulerServiceConfig, addresses: Sequence[str]) -> Any:
+def worker_discovery(cfg: SchedulerServiceConfig, static: Sequence[str], resolver: Any = None) -> Any:
+    """The DNS discovery of `cfg.workers_dns`, or None; `resolver` replaces the system's (tests)."""
+    from scheduler_service.live.discovery import WorkerDiscovery, parse_targets
+
+    if not cfg.workers_dns:
+        return None
+    extra = {"resolver": resolver} if resolver is not None else {}
+    return WorkerDiscovery(
+        parse_targets(cfg.workers_dns),
+        cfg.workers_dns_refresh_s,
+        drop_after=cfg.workers_dns_drop_after,
+        static=static,
+        **extra,
+    )
+
+
+async def start_scheduler(cfg: SchedulerServiceConfig, addresses: Sequence[str], *, resolver: Any = None) -> Any:
+    """The scheduler over `addresses` and, with `cfg.workers_dns`, every worker the names
+    resolve to (waiting up to connect_timeout_s for the first), kept in step with them."""
     from scheduler_service.live.service import LiveScheduler
     from scheduler_service.server import SchedulerServer
     from sluice.common.telemetry import setup_tracing
+
+    discovery = worker_discovery(cfg, addresses, resolver)
+    if discovery is not None:
+        addresses = [*addresses, *await discovery.initial(cfg.connect_timeout_s)]
 
     setup_tracing("sluice-scheduler")
     security = ServerSecurity.from_config(cfg)
@@ -365,7 +397,9 @@ async def start_scheduler(cfg: SchedulerServiceConfig, addresses: Sequence[str])
         serving = ServingMetrics(getattr(cfg, "model", ""))
         port = start_metrics_server(cfg.metrics_port, serving, cfg.host)
         print(f"sluice metrics on http://{cfg.host}:{port}/metrics", flush=True)
-    live = LiveScheduler(addresses, cfg.live_config(), serving, security=worker_client_security(cfg))
+    live = LiveScheduler(
+        addresses, cfg.live_config(), serving, security=worker_client_security(cfg), discovery=discovery
+    )
     return await SchedulerServer.start(live, cfg.port, host=cfg.host, security=security, health_port=cfg.health_port)
 
 
@@ -427,13 +461,18 @@ async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
 
 
 async def serve_scheduler(cfg: SchedulerServiceConfig) -> int:
-    if not cfg.worker:
-        raise ValueError("the scheduler needs workers: give --worker HOST:PORT (or SLUICE_WORKER)")
+    if not cfg.worker and not cfg.workers_dns:
+        raise ValueError(
+            "the scheduler needs workers: give --worker HOST:PORT (or SLUICE_WORKER) or --workers-dns NAME:PORT "
+            "(or SLUICE_WORKERS_DNS)"
+        )
     stop = _stop_event()
     server = await start_scheduler(cfg, cfg.worker)
+    found = f"; discovered by DNS: {', '.join(cfg.workers_dns)}" if cfg.workers_dns else ""
     print(
         f"sluice scheduler listening on {cfg.host}:{server.port} (policy {cfg.policy}, router {cfg.router}, "
-        f"model {server.live.model}; workers {', '.join(cfg.worker)}) [{_describe(server)}]",
+        f"model {server.live.model}; workers {', '.join(server.live.worker_addresses())}{found}) "
+        f"[{_describe(server)}]",
         flush=True,
     )
     try:
@@ -558,12 +597,16 @@ async def run_demo(server: Any, cfg: ServeConfig, opts: DemoOptions) -> None:
 # ---------------------------------------------------------------- command lines
 
 
+# `sluice serve` starts its own workers: it takes no worker addresses.
+SERVE_EXCLUDES = ("worker", "workers_dns", "workers_dns_refresh_s", "workers_dns_drop_after")
+
+
 def add_serve_arguments(p: argparse.ArgumentParser, *, workers: bool) -> None:
     """Flags from the config dataclass (ServeConfig for `serve`, SchedulerServiceConfig for
     `scheduler`); each also reads SLUICE_<NAME> from the environment."""
     p.add_argument("--config", help="settings file: JSON, or TOML (.toml); keys are the settings' field names")
     if workers:
-        add_config_arguments(p, ServeConfig, exclude=("worker",))
+        add_config_arguments(p, ServeConfig, exclude=SERVE_EXCLUDES)
         p.add_argument("--demo", action="store_true", help="replay a slice of azure-conv against itself, then exit")
         p.add_argument("--demo-requests", type=int, default=40)
     else:
@@ -576,11 +619,17 @@ def _logging() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     _logging()
-    cfg = config_from(ServeConfig, args, file=args.config, exclude=("worker",))
+    cfg = config_from(ServeConfig, args, file=args.config, exclude=SERVE_EXCLUDES)
     demo = DemoOptions(num_requests=args.demo_requests) if args.demo else None
     return asyncio.run(serve(cfg, demo))
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
+    from scheduler_service.live.discovery import NoWorkerFound
+
     _logging()
-    return asyncio.run(serve_scheduler(config_from(SchedulerServiceConfig, args, file=args.config)))
+    try:
+        return asyncio.run(serve_scheduler(config_from(SchedulerServiceConfig, args, file=args.config)))
+    except NoWorkerFound as exc:  # an orchestrator restarts us; the line says what was waited for
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

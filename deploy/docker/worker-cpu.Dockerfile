@@ -26,6 +26,8 @@ RUN useradd --system --uid 10001 --user-group --home-dir /home/sluice --create-h
 COPY --from=build /opt/venv /opt/venv
 USER 10001:10001
 EXPOSE 50061 9401
+# NOTE: liveness (the "" service: the model is loaded and the engine works), not readiness:
+# a worker is warmed up (ready) only by its scheduler, which waits for this check to pass.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-m", "sluice.common.healthcheck", "--service", "sluice.v1.WorkerService"]
+    CMD ["python", "-m", "sluice.common.healthcheck", "--service", ""]
 ENTRYPOINT ["sluice", "worker"]

@@ -9,6 +9,8 @@ an executor:
     out = cluster.complete_step(worker, result, now)     tokens appended, stops checked
     cluster.abort(id, now) / cluster.finish(id, status, now)   a client or a stop string
     cluster.mark_down(worker, now) / mark_up(worker, now)      a lost worker's requests move
+    cluster.add_worker(spec, now) / remove_worker(worker, now) the worker set changes (scaling):
+                                          a removed worker's requests move as a lost one's do
     cluster.pop_ended()                   every request that ended since the last call
 
 Requests that leave a worker unfinished (a policy returned them, their worker died) go back
@@ -20,10 +22,12 @@ outside this class touches the router's pool.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from kvstore.accounting import KVAccounting
-from scheduler_service.cluster.spec import ClusterSpec
+from scheduler_service.cluster.spec import ClusterSpec, WorkerSpec
 from scheduler_service.core.metrics import MetricsRecorder
+from scheduler_service.core.policy import build_policy
 from scheduler_service.core.preemption import RejectReason
 from scheduler_service.core.prefix import block_hashes
 from scheduler_service.core.request import Request, RequestStatus
@@ -131,6 +135,30 @@ class Cluster:
     def mark_up(self, worker: int, now: float) -> None:
         self.healthy[worker] = True
         self.release_held(now)
+
+    def add_worker(self, worker: WorkerSpec, now: float) -> int:
+        """A worker joins the running cluster (scaling up): its own KV pool and policy, built
+        as build_cluster builds every worker's, then the router's pool is offered to it.
+        Returns its id: ids are never reused, so the spec's `workers[id]` stays its own."""
+        worker_id = len(self.spec.workers)
+        spec = replace(self.spec, workers=(*self.spec.workers, worker))  # checks the block size
+        policy = build_policy(spec.policy, spec.policy_context(worker_id))
+        manager = self.kv.add_worker(
+            worker_id, worker.num_gpu_blocks, worker.num_cpu_blocks, worker.block_size, spec.prefix_caching
+        )
+        self.spec = spec
+        self.schedulers[worker_id] = Scheduler(worker_id, manager, policy, spec.scheduler_config(), self.metrics)
+        self.healthy[worker_id] = True
+        self.release_held(now)
+        return worker_id
+
+    def remove_worker(self, worker: int, now: float) -> list[Request]:
+        """A worker leaves the cluster for good (scaling down): its requests are re-routed
+        and recomputed exactly as a lost worker's (or end when no worker is left), then its
+        scheduler and KV pool are dropped. The driver must not have a step of it in flight."""
+        moved = self.mark_down(worker, now)
+        del self.schedulers[worker], self.healthy[worker], self.kv.workers[worker]
+        return moved
 
     def reject_leftovers(self, now: float) -> None:
         """Requests no policy could ever place (e.g. more KV than a worker has) end as

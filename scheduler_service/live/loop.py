@@ -13,6 +13,8 @@ simulator's step start / completion event pair: the same Cluster calls).
         works, the requests it held recompute on it (never counted as down);
         when it does not, Cluster.mark_down (requests recompute elsewhere, or end UNAVAILABLE
         when no worker is left), then reconnect with backoff
+    retire() (the worker left the discovered set): the loop ends between two steps, never
+        with a step's tokens undelivered; its host then removes the worker (discovery.py)
 
 Everything between two awaits is synchronous, so a client's abort or a stop string never
 interleaves with a half-applied step.
@@ -84,6 +86,12 @@ class WorkerLoop:
         self._backoff_s = live.config.reconnect_min_s
         self._diverged = False  # a divergence was healed and no step has succeeded since
         self._last_contact = live.clock()
+        self.retiring = False  # set by retire(): end between two steps
+
+    def retire(self) -> None:
+        """Asks the loop to end after the step in flight (if any) has been delivered."""
+        self.retiring = True
+        self.wake.set()
 
     @property
     def probe_interval_s(self) -> float:
@@ -92,13 +100,13 @@ class WorkerLoop:
         return min(self.live.config.probe_interval_s, ttl / 4) if ttl > 0 else self.live.config.probe_interval_s
 
     async def run(self) -> None:
-        while not self.live.closing:
+        while not self.live.closing and not self.retiring:
             if not self.connected:
                 await self._reconnect()
                 continue
             try:
                 await self._wait_for_work()
-                if self.live.closing:
+                if self.live.closing or self.retiring:
                     return
                 await self._step()
             except WorkerDiverged as exc:
@@ -113,9 +121,11 @@ class WorkerLoop:
 
     # ------------------------------------------------------------------ stepping
     async def _wait_for_work(self) -> None:
-        while not self.live.cluster.has_work(self.worker_id) and not self.live.closing:
+        while not self.live.cluster.has_work(self.worker_id) and not self.live.closing and not self.retiring:
             self.wake.clear()
             await self._sleep()
+            if self.retiring:
+                return
             if self.live.clock() - self._last_contact >= self.probe_interval_s and not self.live.closing:
                 await self.remote.probe(PROBE_TIMEOUT_S)
                 self._last_contact = self.live.clock()

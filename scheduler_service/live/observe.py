@@ -58,6 +58,10 @@ class LiveMetrics(MetricsRecorder):
         if self.serving is not None:
             self.serving.set_worker_up(str(worker_id), up)
 
+    def on_worker_removed(self, worker_id: int) -> None:
+        if self.serving is not None:
+            self.serving.remove_worker(str(worker_id))
+
     def on_reconnect(self, worker_id: int) -> None:
         if self.serving is not None:
             self.serving.inc_reconnect(str(worker_id))

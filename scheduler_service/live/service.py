@@ -13,6 +13,10 @@
     abort():   the owner only; Cluster.abort (blocks free now, the worker is told next step) -> settle
     failures:  worker_lost -> Cluster.mark_down (recompute on the others, or end UNAVAILABLE
                when none is left); worker_back -> mark_up
+    scaling:   add_worker(address): connect (Info, Warmup), checked against what is served ->
+               Cluster.add_worker -> a new WorkerLoop; remove_worker(address): the loop retires
+               between two steps -> Cluster.remove_worker (its requests move as a lost
+               worker's do) -> lease ended. WorkerDiscovery (discovery.py) calls both.
 
 One event loop owns all of this; nothing here blocks: tokenizing and detokenizing run on
 threads with the GIL released (sluice.common.tokenizer).
@@ -33,6 +37,7 @@ from scheduler_service.core.preemption import RejectReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.costmodel.factory import build_worker_cost_model
 from scheduler_service.live.config import LiveConfig
+from scheduler_service.live.discovery import WorkerDiscovery
 from scheduler_service.live.intake import Limits, build_request, check_id, check_request, slo_of
 from scheduler_service.live.lengths import PredictorLink
 from scheduler_service.live.loop import WorkerLoop
@@ -130,9 +135,11 @@ class LiveScheduler:
         *,
         security: ClientSecurity = PLAINTEXT,
         keepalive: Keepalive = KEEPALIVE,
+        discovery: WorkerDiscovery | None = None,
     ) -> None:
         """`security`: how the workers are dialled (TLS files, their API key); `keepalive`:
-        the channel settings of the worker connections (tests shorten them)."""
+        the channel settings of the worker connections (tests shorten them); `discovery`: keeps
+        the worker set equal to what it resolves, from start() to close()."""
         if not addresses:
             raise ValueError("the scheduler needs at least one worker address")
         self.addresses = list(addresses)
@@ -150,6 +157,7 @@ class LiveScheduler:
         self.num_tokens_out = 0
         self.num_tokenizing = 0  # text prompts on the tokenizer thread: they count as waiting
         self.predictor: PredictorLink | None = None
+        self.discovery = discovery
         # NOTE: two pools: a long prompt being encoded never delays a step's detokenizing.
         self._encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-encode")
         self._decode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-decode")
@@ -158,35 +166,66 @@ class LiveScheduler:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         cfg = self.config
-        options = self.keepalive.channel_options()
-        remotes = [
-            RemoteWorker(w, addr, cfg.step_timeout_s, security=self.security, channel_options=options)
-            for w, addr in enumerate(self.addresses)
-        ]
-        warmup = WarmupOptions(
-            cfg.num_gpu_blocks,
-            cfg.swap_space_gib,
-            cfg.gpu_memory_utilization,
-            cfg.max_num_batched_tokens or 0,
-            cfg.max_num_seqs,
-        )
-        try:
-            caps = await asyncio.gather(*(r.connect_patiently(warmup, cfg.connect_timeout_s) for r in remotes))
-        except WorkerLost:
-            await asyncio.gather(*(r.close() for r in remotes))
-            raise
+        remotes = [self._remote(w, addr) for w, addr in enumerate(self.addresses)]
+        remotes, caps = await self._connect_all(remotes, self._warmup_options())
         self._check_alike(caps)
         self._build(caps)
         for remote, cap in zip(remotes, caps, strict=True):
             self.loops[remote.worker_id] = WorkerLoop(self, remote, cap)
         self.started_at = self.clock()
         self._tasks = [asyncio.create_task(loop.run(), name=f"sluice-worker-{w}") for w, loop in self.loops.items()]
+        if self.discovery is not None:
+            self._tasks.append(asyncio.create_task(self.discovery.run(self), name="sluice-discovery"))
         log.info(
             "live scheduler config: %s; cost model %s on %s; workers: %s",
             asdict(cfg),
             self.spec.cost_model.name,
             self.spec.cost_model.hardware.name,
             [(c.model, c.num_gpu_blocks, c.num_cpu_blocks, c.hardware.name) for c in caps],
+        )
+
+    async def _connect_all(
+        self, remotes: list[RemoteWorker], warmup: WarmupOptions
+    ) -> tuple[list[RemoteWorker], list[WorkerCapacity]]:
+        """Info and Warmup of every worker at start. A listed (`--worker`) worker that cannot be
+        had is fatal; a discovered one is left for discovery to add later (it may have gone since
+        it was resolved), as long as one worker is had. Ids follow the workers kept."""
+        timeout = self.config.connect_timeout_s
+        results = await asyncio.gather(*(r.connect_patiently(warmup, timeout) for r in remotes), return_exceptions=True)
+        failed = [(r, e) for r, e in zip(remotes, results, strict=True) if isinstance(e, BaseException)]
+        static = self.discovery.static if self.discovery is not None else None
+        fatal = [e for r, e in failed if static is None or r.address in static or not isinstance(e, WorkerLost)]
+        if fatal or len(failed) == len(remotes):
+            await asyncio.gather(*(r.close() for r in remotes))
+            raise (fatal or [failed[0][1]])[0]
+        for remote, exc in failed:
+            log.warning("discovered worker %s not had at start (%s): discovery tries it again", remote.address, exc)
+            await remote.close()
+        kept = [(r, c) for r, c in zip(remotes, results, strict=True) if isinstance(c, WorkerCapacity)]
+        for worker_id, (remote, _) in enumerate(kept):
+            remote.worker_id = worker_id
+        self.addresses = [r.address for r, _ in kept]
+        return [r for r, _ in kept], [c for _, c in kept]
+
+    def _remote(self, worker_id: int, address: str) -> RemoteWorker:
+        options = self.keepalive.channel_options()
+        name = self.discovery.authority(address) if self.discovery is not None else None
+        if name is not None and self.security.tls is not None:
+            # NOTE: a discovered worker is dialled at an IP; its certificate is checked against
+            # the name that was resolved (as gRPC's own DNS resolver does), not the IP.
+            options = (*options, ("grpc.ssl_target_name_override", name))
+        return RemoteWorker(
+            worker_id, address, self.config.step_timeout_s, security=self.security, channel_options=options
+        )
+
+    def _warmup_options(self) -> WarmupOptions:
+        cfg = self.config
+        return WarmupOptions(
+            cfg.num_gpu_blocks,
+            cfg.swap_space_gib,
+            cfg.gpu_memory_utilization,
+            cfg.max_num_batched_tokens or 0,
+            cfg.max_num_seqs,
         )
 
     def _build(self, caps: Sequence[WorkerCapacity]) -> None:
@@ -427,6 +466,100 @@ class LiveScheduler:
         self.cluster.schedulers[worker_id].reset_worker(self.clock())
         self.metrics.on_reconnect(worker_id)
         self.settle()
+
+    # ------------------------------------------------------------------ scaling
+    def worker_addresses(self) -> dict[str, int]:
+        """The address of every worker in the cluster now (down ones included), to its id."""
+        return {loop.remote.address: w for w, loop in self.loops.items()}
+
+    async def add_worker(self, address: str) -> int:
+        """A new worker joins without a restart: connected and warmed up as at start, then
+        given its own scheduler and loop. WorkerLost when it cannot be reached; ValueError when
+        it serves another model or less than what is already promised to clients (context
+        length, KV for the longest prompt), since admitted requests must fit every worker."""
+        if self.closing:
+            raise WorkerLost(f"worker {address}: the scheduler is shutting down")
+        # NOTE: the id is the cluster's next one, known only after the (awaited) connect;
+        # until then the remote carries -1, which only log lines read.
+        remote = self._remote(-1, address)
+        try:
+            cap = await remote.connect_patiently(self._warmup_options(), self.config.connect_timeout_s)
+            self._check_joining(address, cap)
+            if self.closing:
+                raise WorkerLost(f"worker {address}: the scheduler is shutting down")
+        except BaseException:
+            await remote.end_lease()
+            await remote.close()
+            raise
+        spec = WorkerSpec(cap.num_gpu_blocks, cap.num_cpu_blocks, cap.block_size, cap.role)
+        worker_id = self.cluster.add_worker(spec, self.clock())
+        remote.worker_id = worker_id
+        self.addresses.append(address)  # NOTE: ids are never reused, so addresses[id] stays the worker's
+        loop = WorkerLoop(self, remote, cap)
+        self.loops[worker_id] = loop
+        self._tasks.append(asyncio.create_task(loop.run(), name=f"sluice-worker-{worker_id}"))
+        self.metrics.initialise_series([str(worker_id)])
+        log.warning(
+            "worker %d at %s joined (%d blocks): %d workers", worker_id, address, cap.num_gpu_blocks, len(self.loops)
+        )
+        self.settle()
+        self._publish_health()
+        return worker_id
+
+    def _check_joining(self, address: str, cap: WorkerCapacity) -> None:
+        served = (self.model, self.block_size, self.limits.vocab_size)
+        if (cap.model, cap.block_size, cap.vocab_size) != served:
+            raise ValueError(
+                f"worker {address} serves {(cap.model, cap.block_size, cap.vocab_size)}, not {served} "
+                "(model, block size, vocabulary)"
+            )
+        blocks = self.limits.max_kv_tokens // self.block_size
+        if cap.max_model_len < self.max_model_len or cap.num_gpu_blocks < blocks:
+            raise ValueError(
+                f"worker {address} holds {cap.max_model_len} tokens of context and {cap.num_gpu_blocks} KV blocks, "
+                f"less than the served {self.max_model_len} tokens and {blocks} blocks"
+            )
+
+    async def remove_worker(self, address: str) -> list[Request]:
+        """The worker at `address` leaves for good: its loop ends between two steps (a lost
+        worker's loop, reconnecting, at once), its requests are re-queued on the others as a
+        lost worker's are (or end UNAVAILABLE when none is left), its lease is given up.
+        Returns the requests it held."""
+        worker_id = self.worker_addresses().get(address)
+        if worker_id is None:
+            return []
+        loop = self.loops[worker_id]
+        loop.retire()
+        task = next((t for t in self._tasks if t.get_name() == f"sluice-worker-{worker_id}"), None)
+        if task is not None:
+            if not loop.connected:
+                task.cancel()  # NOTE: reconnecting: nothing in flight, its requests already moved
+            await asyncio.wait({task})
+            self._tasks.remove(task)
+        if worker_id not in self.loops:  # removed meanwhile by another call
+            return []
+        moved = self.cluster.remove_worker(worker_id, self.clock())
+        del self.loops[worker_id]
+        for request in moved:
+            trace = self.metrics.traces.get(request.request_id)
+            if trace is not None:
+                trace.event("worker_removed", {"worker_id": worker_id})
+                trace.phase("queue")
+        self.metrics.on_worker_removed(worker_id)
+        ended = sum(r.status.is_finished for r in moved)  # no worker left to take them
+        log.warning(
+            "worker %d at %s removed: %d requests re-queued, %d ended; %d workers left",
+            worker_id,
+            address,
+            len(moved) - ended,
+            ended,
+            len(self.loops),
+        )
+        self.settle()
+        self._publish_health()
+        await loop.remote.end_lease()
+        await loop.remote.close()
+        return moved
 
     def _publish_health(self) -> None:
         if self.on_health is not None:

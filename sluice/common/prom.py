@@ -17,6 +17,7 @@ object owns its CollectorRegistry: two servers (or two tests) in one process nev
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -188,6 +189,12 @@ class ServingMetrics:
 
     def inc_reconnect(self, worker_id: str) -> None:
         self._reconnects.labels(self.model_name, str(worker_id)).inc()
+
+    def remove_worker(self, worker_id: str) -> None:
+        """The worker left the cluster (scaled down): its series go, as its pod's do."""
+        for metric in (self._worker_up, self._reconnects):
+            with contextlib.suppress(KeyError):
+                metric.remove(self.model_name, str(worker_id))
 
     def inc_tokens(self, prompt: int, generation: int) -> None:
         if prompt:

@@ -17,9 +17,11 @@ from deploy_checks import check_contract, need_tool
 from sluice.common.paths import repo_root
 
 COMPOSE = repo_root() / "docker-compose.yml"
+# The service each health check asks for. Workers: liveness, since they turn ready only when
+# the scheduler warms them up, and the scheduler starts once their check passes.
 SERVICE_NAMES = {
     "scheduler": "sluice.v1.GenerationService",
-    "worker": "sluice.v1.WorkerService",
+    "worker": "",
     "predictor": "sluice.v1.PredictorService",
 }
 
@@ -92,6 +94,15 @@ def test_the_scheduler_dials_every_worker_at_its_port(compose) -> None:
     dialled = services["scheduler"]["environment"]["SLUICE_WORKER"].split(",")
     workers = {n: s for n, s in sluice_services(compose).items() if kind(s) == "worker" and s["profiles"] == ["cpu"]}
     assert sorted(dialled) == sorted(f"{n}:{s['environment']['SLUICE_PORT']}" for n, s in workers.items())
+
+
+def test_the_scheduler_asks_the_predictor_which_uses_redis(compose) -> None:
+    services = compose["services"]
+    predictor = services["predictor"]["environment"]
+    assert services["scheduler"]["environment"]["SLUICE_PREDICTOR"] == f"predictor:{predictor['SLUICE_PORT']}"
+    assert services["scheduler"]["depends_on"]["predictor"]["condition"] == "service_healthy"
+    assert predictor["SLUICE_REDIS_URL"].startswith("redis://redis:6379/")
+    assert services["predictor"]["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
 def test_every_sluice_service_listens_beyond_loopback_and_checks_its_own_readiness(compose) -> None:

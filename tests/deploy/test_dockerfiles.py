@@ -18,11 +18,12 @@ from deploy_checks import need_tool
 from sluice.common.paths import repo_root
 
 DOCKER_DIR = repo_root() / "deploy" / "docker"
-# image -> (readiness service in its health check, `sluice` subcommand of its entrypoint)
+# image -> (service its health check asks for, `sluice` subcommand of its entrypoint); workers
+# answer liveness (""): their readiness needs the scheduler's Warmup, which waits for the check.
 IMAGES = {
     "scheduler": ("sluice.v1.GenerationService", ["scheduler"]),
-    "worker-cpu": ("sluice.v1.WorkerService", ["worker"]),
-    "worker-cuda": ("sluice.v1.WorkerService", ["worker"]),
+    "worker-cpu": ("", ["worker"]),
+    "worker-cuda": ("", ["worker"]),
     "predictor-cpu": ("sluice.v1.PredictorService", ["predictor", "serve"]),
     "predictor-cuda": ("sluice.v1.PredictorService", ["predictor", "serve"]),
 }

@@ -21,9 +21,12 @@ K8S = repo_root() / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu")
 # NOTE: native grpc probes are GA since 1.27 and the StatefulSet pod-index label since 1.28.
 KUBERNETES_VERSIONS = ("1.28.0", "1.37.0")
+# The service of each readiness probe. Workers: liveness (""), since the WorkerService turns
+# SERVING only when the scheduler warms the worker up, and the scheduler discovers workers
+# through the headless Service, which answers ready pods only.
 READINESS = {
     "sluice-scheduler": "sluice.v1.GenerationService",
-    "sluice-worker": "sluice.v1.WorkerService",
+    "sluice-worker": "",
     "sluice-predictor": "sluice.v1.PredictorService",
 }
 USER_ID = 10001  # USER of every image in deploy/docker/
@@ -75,18 +78,32 @@ def test_the_rendered_overlay_passes_strict_kubernetes_validation(
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_workers_are_a_statefulset_behind_a_headless_service_the_scheduler_dials(overlay) -> None:
+def test_workers_are_a_statefulset_behind_a_headless_service_the_scheduler_resolves(overlay) -> None:
     objs = objects(overlay[1])
     workers = objs["StatefulSet", "sluice-worker"]
     service = objs["Service", workers["spec"]["serviceName"]]
     assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"].get("publishNotReadyAddresses", False) is False, "only ready workers are discovered"
     assert service["spec"]["selector"] == workers["spec"]["selector"]["matchLabels"]
     worker_env = config_of(objs, workers["spec"]["template"]["spec"]["containers"][0])
-    scheduler = objs["Deployment", "sluice-scheduler"]["spec"]["template"]["spec"]["containers"][0]
-    dialled = config_of(objs, scheduler)["SLUICE_WORKER"].split(",")
-    replicas = workers["spec"]["replicas"]
-    port = worker_env["SLUICE_PORT"]
-    assert dialled == [f"sluice-worker-{i}.sluice-worker:{port}" for i in range(replicas)]
+    scheduler = config_of(objs, objs["Deployment", "sluice-scheduler"]["spec"]["template"]["spec"]["containers"][0])
+    # NOTE: discovery, not a fixed list: scaling the StatefulSet needs no scheduler restart
+    assert "SLUICE_WORKER" not in scheduler
+    assert scheduler["SLUICE_WORKERS_DNS"] == f"{service['metadata']['name']}:{worker_env['SLUICE_PORT']}"
+    assert float(scheduler["SLUICE_WORKERS_DNS_REFRESH_S"]) > 0
+
+
+def test_the_scheduler_asks_the_predictor_through_its_service(overlay) -> None:
+    objs = objects(overlay[1])
+    scheduler = config_of(objs, objs["Deployment", "sluice-scheduler"]["spec"]["template"]["spec"]["containers"][0])
+    predictor = objs["Deployment", "sluice-predictor"]["spec"]["template"]["spec"]["containers"][0]
+    service = objs["Service", "sluice-predictor"]["spec"]
+    assert service["selector"] == objs["Deployment", "sluice-predictor"]["spec"]["selector"]["matchLabels"]
+    port = int(config_of(objs, predictor)["SLUICE_PORT"])
+    assert service["ports"][0]["port"] == port
+    assert scheduler["SLUICE_PREDICTOR"] == f"sluice-predictor:{port}"
+    redis = config_of(objs, predictor)["SLUICE_REDIS_URL"]
+    assert redis.startswith("redis://redis:") and ("Service", "redis") in objs
 
 
 def test_one_scheduler_replaced_by_recreate(overlay) -> None:
@@ -102,7 +119,8 @@ def test_grpc_probes_use_liveness_and_the_services_readiness_on_its_port(overlay
         assert container["ports"][0] == {"name": "grpc", "containerPort": port}, name
         for probe in ("startupProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": port}, f"{name} {probe}: liveness is the '' service"
-        assert container["readinessProbe"]["grpc"] == {"port": port, "service": READINESS[name]}, name
+        expected = {"port": port, "service": READINESS[name]} if READINESS[name] else {"port": port}
+        assert container["readinessProbe"]["grpc"] == expected, name
 
 
 def test_scrape_annotations_name_each_services_metrics_port(overlay) -> None:
