@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler_service.core.slo import SLOSpec
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
+from scheduler_service.sim.disagg_search import cheapest_split, goodput
 from scheduler_service.sim.network import load_network
-from scheduler_service.sim.simulator import SimConfig, Simulation
+from scheduler_service.sim.simulator import SimConfig, Simulation, simulate
 from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
 from services.cli import main
 
@@ -96,3 +98,42 @@ def test_bad_disaggregation_flags_are_refused_naming_them(capsys, flags: list[st
     assert main(["simulate", "--trace", "arxiv", "--num-requests", "5", "--rate", "1", "--no-progress", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and says in err and "\n" not in err
+
+
+def test_the_cheapest_split_is_the_smallest_that_meets_the_target(cost_model, arxiv) -> None:
+    busy = apply_arrivals(load_trace("arxiv", num_requests=60), "poisson", rate=8.0, seed=1)
+    wl = busy.with_slos([SLOSpec(ttft_s=1.0, tbt_s=0.05)] * len(busy), "test")
+
+    def run_split(prefill: int, decode: int):
+        return simulate(SimConfig(policy="vllm", prefill_workers=prefill, decode_workers=decode), wl, cost_model)
+
+    search = cheapest_split(run_split, target=0.9, max_workers=4)
+    assert search.best is not None and search.best.attainment >= 0.9
+    size = search.best.prefill + search.best.decode
+    # every split of a smaller size was tried and missed; nothing larger was tried
+    smaller = [t for t in search.tried if t.prefill + t.decode < size]
+    assert len(smaller) == sum(n - 1 for n in range(2, size)) and all(t.attainment < 0.9 for t in smaller)
+    assert all(t.prefill + t.decode <= size for t in search.tried)
+    # a single-GPU-per-pool split cannot serve this load: the search had to grow
+    assert size > 2
+    hopeless = cheapest_split(run_split, target=1.01, max_workers=2)
+    assert hopeless.best is None and len(hopeless.tried) == 1
+
+
+def test_goodput_per_gpu_is_the_search_rate_over_the_gpus(cost_model) -> None:
+    base = load_trace("arxiv", num_requests=40).with_slos([SLOSpec(ttft_s=1.0, tbt_s=0.05)] * 40, "test")
+
+    def run_at(rate: float):
+        run = simulate(
+            SimConfig(policy="vllm", prefill_workers=1, decode_workers=1),
+            apply_arrivals(base, "poisson", rate=rate),
+            cost_model,
+        )
+        run.config["rate"] = rate
+        return run
+
+    result = goodput(run_at, 2, start_rate=1.0, rel_tol=0.2, max_probes=8)
+    assert result.rate_req_s > 0 and result.per_gpu == result.rate_req_s / 2
+    held = [rate for rate, ok in result.capacity.probes if ok]
+    assert max(held) == result.rate_req_s
+    assert result.capacity.run_at_capacity.metrics["slo_attainment_req"] >= 0.9
