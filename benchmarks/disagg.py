@@ -15,8 +15,10 @@ For each trace, at the same total GPU count G (default 4):
                  and its attainment there with the KV over InfiniBand and Ethernet instead
     why          at the best split's goodput rate: each configuration's TTFT-only and TBT-only
                  attainment (which SLO a colocated deployment misses)
-    sizing       the cheapest P/D split meeting the target at colocated vllm's goodput rate,
-                 against vllm's G GPUs
+    sizing       the cheapest P/D split meeting the target at colocated vllm's goodput rate;
+                 and EconoServe's comparison (up to 78% fewer GPUs than DistServe at the same
+                 goodput): at the best split's goodput rate, the cheapest split against the
+                 fewest colocated econoserve (and vllm) workers meeting the same target
 
 Traces: prompt-heavy `arxiv` (summarization, prompt mean 2.5k tokens, output 280) and the
 `azure-conv` conversation trace on llama-2-7b / A100-80GB (4k context), and the long-context
@@ -43,7 +45,7 @@ from tqdm import tqdm
 from scheduler_service.core.slo import SLOClass, SLOSpec
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.sim.disagg_search import DISTSERVE_ATTAINMENT, cheapest_split, goodput
+from scheduler_service.sim.disagg_search import DISTSERVE_ATTAINMENT, cheapest_split, fewest_workers, goodput
 from scheduler_service.sim.simulator import SimConfig, SimRun, simulate
 from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
 
@@ -162,6 +164,44 @@ def diagnosis_job(job: tuple[argparse.Namespace, str, str, int, int, float, str,
     }
 
 
+def sizing_job(job: tuple[argparse.Namespace, str, float, float]) -> dict[str, Any]:
+    """GPUs each deployment needs for one rate: the cheapest P/D split at colocated vllm's
+    goodput rate, and EconoServe's comparison (its paper: up to 78% fewer GPUs than DistServe at
+    the same goodput): at the best split's goodput rate, the cheapest split against the fewest
+    colocated econoserve (and vllm) workers."""
+    args, name, vllm_rate, disagg_rate = job
+    limit = 2 * args.gpus
+
+    def split_at(rate: float):
+        return lambda p, d: simulate_at(args, name, config_for(name, "disagg", p, d, args.gpus), rate)
+
+    def colocated_at(policy: str, rate: float):
+        return lambda n: simulate_at(args, name, config_for(name, policy, 0, 0, n), rate)
+
+    def split(search) -> dict[str, Any] | None:
+        b = search.best
+        return None if b is None else {"prefill": b.prefill, "decode": b.decode, "attainment": b.attainment}
+
+    out: dict[str, Any] = {"trace": name, "vllm_rate": vllm_rate, "disagg_rate": disagg_rate}
+    if vllm_rate > 0:
+        out["split_at_vllm_rate"] = split(cheapest_split(split_at(vllm_rate), max_workers=args.gpus + 1))
+    if disagg_rate > 0:
+        out["split_at_disagg_rate"] = split(cheapest_split(split_at(disagg_rate), max_workers=args.gpus))
+        for policy in ("econoserve", "vllm"):
+            found = fewest_workers(colocated_at(policy, disagg_rate), max_workers=limit)
+            out[f"{policy}_workers_at_disagg_rate"] = None if found.best is None else found.best.prefill
+    return out
+
+
+def sizing_phase(args: argparse.Namespace, rows: list[dict[str, Any]], pool: ProcessPoolExecutor) -> list[dict]:
+    jobs = []
+    for name in args.traces:
+        vllm = next(r for r in rows if r["trace"] == name and r["config"] == "vllm")["goodput_req_s"]
+        disagg = max(r["goodput_req_s"] for r in rows if r["trace"] == name and r["kind"] == "disagg")
+        jobs.append((args, name, vllm, disagg))
+    return list(tqdm(pool.map(sizing_job, jobs), total=len(jobs), desc="sizing", unit="trace"))
+
+
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     pool = ProcessPoolExecutor(args.jobs)
     jobs = [(args, name, kind, 0, 0) for name in args.traces for kind in COLOCATED]
@@ -183,27 +223,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         for network in ("infiniband", "ethernet"):
             diag_jobs.append((args, name, "disagg", b["prefill"], b["decode"], rate, "both", network))
     diags = list(tqdm(pool.map(diagnosis_job, diag_jobs), total=len(diag_jobs), desc="diagnosis", unit="run"))
+    sizing = sizing_phase(args, rows, pool)
     pool.shutdown()
-    sizing = {}
-    for name in tqdm(args.traces, desc="cheapest split", unit="trace"):
-        vllm = next(r for r in rows if r["trace"] == name and r["config"] == "vllm")
-        rate = vllm["goodput_req_s"]
-        if rate <= 0:
-            continue
-        search = cheapest_split(
-            lambda p, d, name=name, rate=rate: simulate_at(
-                args, name, config_for(name, "disagg", p, d, args.gpus), rate
-            ),
-            max_workers=args.gpus + 1,
-        )
-        sizing[name] = {
-            "rate": rate,
-            "colocated_vllm_gpus": args.gpus,
-            "best": None
-            if search.best is None
-            else {"prefill": search.best.prefill, "decode": search.best.decode, "attainment": search.best.attainment},
-            "tried": [(t.prefill, t.decode, t.attainment) for t in search.tried],
-        }
     return {
         "args": {k: v for k, v in vars(args).items() if k != "out"},
         "goodput": rows,
@@ -280,16 +301,32 @@ def report(data: dict[str, Any], out: Path) -> str:
             )
     lines += [
         "",
-        "Cheapest split meeting the target at colocated vllm's goodput rate:",
+        f"GPUs each deployment needs for one rate (>= 90% within SLOs; colocated searched up to {2 * args['gpus']} "
+        f"workers, splits up to {args['gpus'] + 1} at vllm's rate and {args['gpus']} at the split's own):",
         "",
-        "| trace | rate | colocated vllm GPUs | cheapest P+D | attainment |",
-        "|---|---:|---:|---|---:|",
+        "| trace | rate | the rate is | cheapest P+D | colocated vllm | colocated econoserve |",
+        "|---|---:|---|---|---:|---:|",
     ]
-    for name, s in data["sizing"].items():
-        b = s["best"]
-        split = f"{b['prefill']}P+{b['decode']}D" if b else f"none up to {args['gpus'] + 1}"
-        att = f"{b['attainment']:.1%}" if b else ""
-        lines.append(f"| {name} | {s['rate']:.2f} | {s['colocated_vllm_gpus']} | {split} | {att} |")
+
+    def gpus(split: dict[str, Any] | None) -> str:
+        return (
+            "none"
+            if split is None
+            else f"{split['prefill']}P+{split['decode']}D = {split['prefill'] + split['decode']}"
+        )
+
+    for s in data["sizing"]:
+        if "split_at_vllm_rate" in s:
+            lines.append(
+                f"| {s['trace']} | {s['vllm_rate']:.2f} | vllm's goodput on {args['gpus']} | "
+                f"{gpus(s['split_at_vllm_rate'])} | {args['gpus']} | |"
+            )
+        if "split_at_disagg_rate" in s:
+            e, v = s["econoserve_workers_at_disagg_rate"], s["vllm_workers_at_disagg_rate"]
+            lines.append(
+                f"| {s['trace']} | {s['disagg_rate']:.2f} | best split's goodput on {args['gpus']} | "
+                f"{gpus(s['split_at_disagg_rate'])} | {v or 'none'} | {e or 'none'} |"
+            )
     text = "\n".join(lines) + "\n"
     out.with_suffix(".md").write_text(text)
     _plot(data, out.with_suffix(".png"))
@@ -328,9 +365,14 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
     parser.add_argument("--out", type=Path, default=Path("docs/disagg"))
     parser.add_argument("--from-json", action="store_true", help="only redraw the tables and plot from OUT.json")
+    parser.add_argument("--resize", action="store_true", help="with --from-json: run the sizing phase again")
     args = parser.parse_args()
     if args.from_json:
         data = json.loads(args.out.with_suffix(".json").read_text())
+        if args.resize:
+            with ProcessPoolExecutor(args.jobs) as pool:
+                data["sizing"] = sizing_phase(args, data["goodput"], pool)
+            args.out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
     else:
         data = run_all(args)
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -87,3 +87,20 @@ def cheapest_split(
             search.best = max(meeting, key=lambda t: (t.attainment, -t.prefill))
             return search
     return search
+
+
+def fewest_workers(
+    run_n: Callable[[int], SimRun], *, target: float = DISTSERVE_ATTAINMENT, max_workers: int = 8
+) -> SplitSearch:
+    """The fewest colocated workers whose simulation (`run_n(workers)`) meets the target (the
+    colocated side of EconoServe's "GPUs at the same goodput" comparison); `best.prefill` is
+    the worker count and `best.decode` 0."""
+    search = SplitSearch(None)
+    for n in range(1, max_workers + 1):
+        run = run_n(n)
+        trial = SplitTrial(n, 0, float(run.metrics["slo_attainment_req"] or 0.0), run)
+        search.tried.append(trial)
+        if trial.attainment >= target:
+            search.best = trial
+            return search
+    return search
