@@ -325,7 +325,7 @@ class DisaggCluster(Cluster):
             src_block_ids=tuple(src_table[:n]),
             dst_block_ids=tuple(dst_table),
             num_tokens=request.num_computed_tokens,
-            int8=self.spec.int8_swap,
+            int8=self.spec.int8_transfer,
         )
         handoff.dst, handoff.transfer = dst, transfer
         self._inflight[transfer.transfer_id] = handoff

@@ -15,6 +15,7 @@ the same objects, so every policy sees the same `PolicyContext` fields live and 
     prefix_caching              computed full blocks are cached by prefix hash and shared
     length_source               where predicted output lengths come from (cluster/lengths.py)
     decode_router               picks the decode worker of a disaggregated cluster's requests
+    int8_transfer               KV moved from a prefill to a decode worker is int8-compressed
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class ClusterSpec:
     length_source: LengthSource = field(default_factory=MaxTokensLengths)
     prefix_caching: bool = True  # automatic prefix caching in every worker's KV accounting
     decode_router: str = "kv_aware"  # picks a request's decode worker (disaggregated clusters)
+    int8_transfer: bool = False  # KV moved between workers is int8-compressed (half the bytes)
 
     def __post_init__(self) -> None:
         if not self.workers:

@@ -86,6 +86,7 @@ class SimConfig:
     transfer_timeout_s: float | None = opt(
         None, "a KV transfer slower than this is abandoned and the decode worker recomputes the prefill"
     )
+    int8_transfer: bool = opt(False, "int8-compress KV moved between workers (halves transfer bytes)")
     transfer_failure_rate: float = opt(0.0, "share of KV transfers that fail (fault injection; seeded)")
     seed: int = opt(0, "seed of the noisy oracle (the workload's --seed)", flag=False)
     progress: bool = opt(False, "progress bar", flag=False)
@@ -212,6 +213,7 @@ class Simulation:
             policy=cfg.policy,
             workers=workers,
             decode_router=cfg.decode_router,
+            int8_transfer=cfg.int8_transfer,
             cost_model=self.cost_model,
             max_model_len=self.max_model_len,
             router=cfg.router,

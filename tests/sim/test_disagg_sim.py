@@ -62,7 +62,7 @@ def test_transfers_are_priced_by_the_link(cost_model, arxiv) -> None:
     ethernet = run(cost_model, arxiv, network="ethernet").details["disagg"]
     assert nvlink["bytes"] == ethernet["bytes"] > 0
     assert ethernet["transfer_s_p50"] > 20 * nvlink["transfer_s_p50"]
-    int8 = run(cost_model, arxiv, network="ethernet", int8_swap=True).details["disagg"]
+    int8 = run(cost_model, arxiv, network="ethernet", int8_transfer=True).details["disagg"]
     assert int8["bytes"] * 2 == pytest.approx(ethernet["bytes"], rel=0.01)
 
 

@@ -208,3 +208,26 @@ def test_roles_are_checked(cost_model) -> None:
         ClusterSpec("vllm", (WorkerSpec(64, 0, role="verify"),), cost_model, 4096)
     colocated = build_cluster(ClusterSpec("vllm", (WorkerSpec(64, 0),) * 2, cost_model, 4096))
     assert not isinstance(colocated, DisaggCluster) and colocated.pop_transfers() == []
+
+
+def test_a_mixed_worker_prefills_and_decodes_its_own_and_takes_the_prefill_workers_kv(cost_model) -> None:
+    cluster = cluster_of(cost_model, "prefill", "mixed")
+    assert cluster.prefill_pool == [0, 1] and cluster.decode_pool == [1]
+    a, b = make_request("a", prompt=60, output=4), make_request("b", prompt=60, output=4)
+    cluster.submit(a, 0.0)
+    cluster.submit(b, 0.0)
+    assert (a.worker_id, b.worker_id) == (0, 1)  # round robin over the prefill pool
+    ended = drive(cluster)
+    assert {r.request_id for r in ended} == {"a", "b"} and all(r.num_output_tokens == 4 for r in ended)
+    assert cluster.transfers.issued == 1  # only the prefill-only worker's request moved
+    leak_check(cluster)
+
+
+def test_with_no_prefill_worker_left_the_decode_workers_prefill_themselves(cost_model) -> None:
+    cluster = cluster_of(cost_model, "prefill", "decode")
+    cluster.mark_down(P, 0.0)
+    r = make_request("r", prompt=60, output=4)
+    assert cluster.submit(r, 0.0) is None and r.worker_id == D
+    ended = drive(cluster)
+    assert ended == [r] and r.num_output_tokens == 4 and cluster.transfers.issued == 0
+    leak_check(cluster)
