@@ -242,8 +242,9 @@ def report(data: dict[str, Any], out: Path) -> str:
         "",
     ]
     lines += [
-        "| trace | config | goodput req/s | per GPU | vs colocated vllm | transfer p50 / p99 ms | GB moved |",
-        "|---|---|---:|---:|---:|---|---:|",
+        "| trace | config | goodput req/s | per GPU | vs colocated vllm | TTFT p50 / p99 s | TBT p99 ms "
+        "| transfer p50 / p99 ms | GB moved |",
+        "|---|---|---:|---:|---:|---|---:|---|---:|",
     ]
     for name in args["traces"]:
         vllm = next(r for r in rows if r["trace"] == name and r["config"] == "vllm")["goodput_req_s"]
@@ -256,9 +257,11 @@ def report(data: dict[str, Any], out: Path) -> str:
             )
             moved = f"{t['bytes'] / 1e9:.0f}" if t else ""
             ratio = f"{r['goodput_req_s'] / vllm:.2f}x" if vllm > 0 else "n/a"
+            at = r["at_goodput"]
+            lat = f"{at['ttft_p50_s']:.2f} / {at['ttft_p99_s']:.2f} | {at['tbt_p99_s'] * 1e3:.0f}" if at else " | "
             lines.append(
                 f"| {name} | {r['config']} | {r['goodput_req_s']:.2f} | {r['goodput_per_gpu']:.3f} | {ratio} "
-                f"| {cost} | {moved} |"
+                f"| {lat} | {cost} | {moved} |"
             )
     lines += [
         "",
