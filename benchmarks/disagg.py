@@ -204,7 +204,7 @@ def sizing_phase(args: argparse.Namespace, rows: list[dict[str, Any]], pool: Pro
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     pool = ProcessPoolExecutor(args.jobs)
-    jobs = [(args, name, kind, 0, 0) for name in args.traces for kind in COLOCATED]
+    jobs = [(args, name, kind, 0, 0) for name in args.traces for kind in args.colocated]
     jobs += [(args, name, "disagg", p, args.gpus - p) for name in args.traces for p in range(1, args.gpus)]
     rows = list(tqdm(pool.map(capacity_job, jobs), total=len(jobs), desc="goodput searches", unit="config"))
     best = {
@@ -218,12 +218,12 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         if rate <= 0:
             continue
         for which in ("ttft", "tbt"):
-            diag_jobs += [(args, name, kind, 0, 0, rate, which, "nvlink") for kind in COLOCATED]
+            diag_jobs += [(args, name, kind, 0, 0, rate, which, "nvlink") for kind in args.colocated]
             diag_jobs.append((args, name, "disagg", b["prefill"], b["decode"], rate, which, "nvlink"))
         for network in ("infiniband", "ethernet"):
             diag_jobs.append((args, name, "disagg", b["prefill"], b["decode"], rate, "both", network))
     diags = list(tqdm(pool.map(diagnosis_job, diag_jobs), total=len(diag_jobs), desc="diagnosis", unit="run"))
-    sizing = sizing_phase(args, rows, pool)
+    sizing = [] if args.skip_sizing else sizing_phase(args, rows, pool)
     pool.shutdown()
     return {
         "args": {k: v for k, v in vars(args).items() if k != "out"},
@@ -358,6 +358,8 @@ def _plot(data: dict[str, Any], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", nargs="+", default=list(TRACES), choices=list(TRACES))
+    parser.add_argument("--colocated", nargs="+", default=list(COLOCATED), help="colocated policies (vllm first)")
+    parser.add_argument("--skip-sizing", action="store_true", help="no sizing phase (GPUs needed per rate)")
     parser.add_argument("--gpus", type=int, default=4, help="total GPUs of every configuration")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--ttft-scale", type=float, default=2.5)
