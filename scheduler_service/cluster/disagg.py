@@ -101,16 +101,29 @@ class DisaggCluster(Cluster):
         decode_router: Router,
     ) -> None:
         super().__init__(spec, schedulers, router, kv, metrics, timer)
-        self.roles = {s.worker_id: spec.workers[s.worker_id].role for s in schedulers}
-        self.prefill_pool = [w for w, r in self.roles.items() if r in (PREFILL, MIXED)]
-        self.decode_pool = [w for w, r in self.roles.items() if r in (DECODE, MIXED)]
-        self._decode_set = frozenset(self.decode_pool)
         self._decode_router = decode_router
         self._parked: OrderedDict[str, Handoff] = OrderedDict()  # prefill done, no decode blocks yet
         self._inflight: dict[int, Handoff] = {}  # transfer id -> its handoff
         self._issued: list[KVTransfer] = []
         self._next_transfer = 0
         self.transfers = TransferStats()
+
+    # NOTE: roles and pools are read from the spec and the schedulers each time, so a worker that
+    # joins or leaves the running cluster is in (or out of) its pool at once.
+    @property
+    def roles(self) -> dict[int, str]:
+        return {w: self.spec.workers[w].role for w in self.schedulers}
+
+    @property
+    def prefill_pool(self) -> list[int]:
+        return [w for w in self.schedulers if self.spec.workers[w].role in (PREFILL, MIXED)]
+
+    @property
+    def decode_pool(self) -> list[int]:
+        return [w for w in self.schedulers if self.spec.workers[w].role in (DECODE, MIXED)]
+
+    def _role(self, worker: int) -> str:
+        return self.spec.workers[worker].role
 
     # ------------------------------------------------------------------ the driver's side
     def pop_transfers(self) -> list[KVTransfer]:
@@ -147,7 +160,7 @@ class DisaggCluster(Cluster):
     # ------------------------------------------------------------------ one step
     def complete_step(self, worker: int, result: StepResult, now: float) -> StepOutputs:
         out = super().complete_step(worker, result, now)
-        if self.roles[worker] == PREFILL:
+        if self._role(worker) == PREFILL:
             if result.error is not None:
                 # NOTE: the worker's KV is unreliable after a failed step; what it was to send is too.
                 self._fail_from(worker, now)
@@ -178,7 +191,7 @@ class DisaggCluster(Cluster):
 
     def mark_down(self, worker: int, now: float) -> list[Request]:
         moved = super().mark_down(worker, now)
-        if worker in self._decode_set:
+        if self._role(worker) in (DECODE, MIXED):
             for request in moved:
                 self._decode_router.on_request_left(request, worker, now)
         for rid, handoff in list(self._parked.items()):
@@ -250,12 +263,12 @@ class DisaggCluster(Cluster):
     def _place(self, request: Request, worker: int, now: float) -> RejectReason | None:
         reason = self.schedulers[worker].add_request(request, now)
         if reason is not None:
-            router = self._decode_router if self.roles[worker] == DECODE else self._router
+            router = self._decode_router if self._role(worker) == DECODE else self._router
             router.on_request_left(request, worker, now)
         return reason
 
     def _settle(self, worker: int, finished: list[Request], now: float) -> None:
-        if worker in self._decode_set:
+        if self._role(worker) in (DECODE, MIXED):
             for request in [*finished, *self.schedulers[worker].returned]:
                 self._decode_router.on_request_left(request, worker, now)
         super()._settle(worker, finished, now)
