@@ -81,7 +81,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(
         f"{workload.name}: {len(workload)} requests, prompt mean {stats.prompt_mean:.0f}, "
         f"output mean {stats.output_mean:.0f}, {cost_model.model.name} (context {runs[0].config['max_model_len']}) "
-        f"on {cost_model.hardware.name} x{runs[0].config['num_workers']} ({cost_model.name} cost model), "
+        f"on {cost_model.hardware.name} x{_workers_text(runs[0].config)} ({cost_model.name} cost model), "
         f"SLO profile {workload_cfg.slo_profile}"
     )
     print(format_table(runs))
@@ -200,9 +200,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
         print(f"  {name}: {cert} {key}")
     print(f"valid for: {', '.join(dict.fromkeys([*(args.host or ()), *DEFAULT_HOSTS]))}")
     first = names[0]
-    print(
-        f"serve with: --tls-cert {args.out}/{first}.crt --tls-key {args.out}/{first}.key --tls-ca {args.out}/ca.crt"
-    )
+    print(f"serve with: --tls-cert {args.out}/{first}.crt --tls-key {args.out}/{first}.key --tls-ca {args.out}/ca.crt")
     return 0
 
 
@@ -238,6 +236,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _workers_text(config: dict) -> str:
+    """`2`, or `1P+3D` for a disaggregated cluster (prefill and decode workers)."""
+    if config.get("prefill_workers"):
+        return f"{config['prefill_workers']}P+{config['decode_workers']}D (network {config['network']})"
+    return str(config["num_workers"])
 
 
 if __name__ == "__main__":

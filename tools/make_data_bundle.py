@@ -155,6 +155,9 @@ _PROFILE_TABLES = (
     "legacy/e2d00e9/a100/attention.csv",
     "network/a100_dgx/all_reduce.csv",
     "network/h100_dgx/all_reduce.csv",
+    "network/a100_dgx/send_recv.csv",
+    "network/h100_dgx/send_recv.csv",
+    "network/a100_pairwise_nvlink/send_recv.csv",
 )
 
 BUNDLE: tuple[Entry, ...] = (

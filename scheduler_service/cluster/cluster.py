@@ -33,7 +33,7 @@ from scheduler_service.core.prefix import block_hashes
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler, StepOutputs
 from scheduler_service.routers import Router, WorkerLoad
-from sluice.contract.plan import StepPlan, StepResult
+from sluice.contract.plan import KVTransfer, KVTransferResult, StepPlan, StepResult
 
 
 class Cluster:
@@ -172,6 +172,13 @@ class Cluster:
             self.metrics.on_reject(request, RejectReason.UNSCHEDULABLE, now)
             self._ended.append(request)
         self._router.held.clear()
+
+    def pop_transfers(self) -> list[KVTransfer]:
+        """KV transfers between workers for the driver to run (only a DisaggCluster issues any)."""
+        return []
+
+    def complete_transfer(self, result: KVTransferResult, now: float) -> None:
+        raise RuntimeError(f"transfer {result.transfer_id} answered, but a colocated cluster issues none")
 
     def pop_ended(self) -> list[Request]:
         ended, self._ended = self._ended, []

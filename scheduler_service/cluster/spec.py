@@ -7,12 +7,15 @@ the same objects, so every policy sees the same `PolicyContext` fields live and 
 
     policy, router              registered names with options ("sarathi:budget=512")
     workers                     one WorkerSpec each: KV blocks on GPU and CPU, block size, role
+                                (prefill, decode or mixed; cluster/disagg.py)
     cost_model                  prices steps for the policies and routers that plan in time
     max_model_len, limits       context length, sequences and tokens per step, queue bound
     tbt_slo_s                   the deployment's TBT SLO (sarathi's budget, AccelGen's pivot)
     int8_swap                   swapped KV is int8-compressed
     prefix_caching              computed full blocks are cached by prefix hash and shared
     length_source               where predicted output lengths come from (cluster/lengths.py)
+    decode_router               picks the decode worker of a disaggregated cluster's requests
+    int8_transfer               KV moved from a prefill to a decode worker is int8-compressed
 """
 
 from __future__ import annotations
@@ -50,12 +53,26 @@ class ClusterSpec:
     int8_swap: bool = False
     length_source: LengthSource = field(default_factory=MaxTokensLengths)
     prefix_caching: bool = True  # automatic prefix caching in every worker's KV accounting
+    decode_router: str = "kv_aware"  # picks a request's decode worker (disaggregated clusters)
+    int8_transfer: bool = False  # KV moved between workers is int8-compressed (half the bytes)
 
     def __post_init__(self) -> None:
         if not self.workers:
             raise ValueError("a cluster needs at least one worker")
+        roles = {w.role for w in self.workers}
+        if not roles <= {"prefill", "decode", "mixed"}:
+            raise ValueError(f"worker roles must be prefill, decode or mixed, got {sorted(roles)}")
+        if "prefill" in roles and roles.isdisjoint({"decode", "mixed"}):
+            raise ValueError("a cluster with prefill workers needs a decode (or mixed) worker")
+        if "decode" in roles and roles.isdisjoint({"prefill", "mixed"}):
+            raise ValueError("a cluster with decode workers needs a prefill (or mixed) worker")
         if len({w.block_size for w in self.workers}) > 1:
             raise ValueError(f"workers have different block sizes: {sorted({w.block_size for w in self.workers})}")
+
+    @property
+    def disaggregated(self) -> bool:
+        """Some worker only prefills or only decodes: requests move between pools (cluster/disagg.py)."""
+        return any(w.role != "mixed" for w in self.workers)
 
     @property
     def block_size(self) -> int:

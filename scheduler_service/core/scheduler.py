@@ -304,6 +304,19 @@ class Scheduler:
         self.metrics.num_requests -= 1  # NOTE: counted again where it is placed next, so once in all
         self.policy.on_finished(req, now)
 
+    def hand_off(self, req: Request, now: float) -> None:
+        """The request leaves this worker with its KV (disaggregation: its prefill is done and
+        its KV moves to a decode worker). Unlike `return_to_pool` its blocks stay allocated
+        under its id, for the cluster to free once the transfer is answered; the worker is
+        told to drop the request (its blocks' contents are untouched until they are reused)."""
+        rid = req.request_id
+        self._detach(req)
+        self.plans.forget(rid)
+        del self.requests[rid]
+        req.worker_id = None
+        self.metrics.num_requests -= 1  # NOTE: counted again where it is placed next, so once in all
+        self.policy.on_finished(req, now)
+
     def end(self, req: Request, status: RequestStatus, now: float, message: str = "") -> None:
         rid = req.request_id
         self._detach(req)

@@ -189,6 +189,10 @@ class StepBuilder:
         rid = request.request_id
         computed = request.num_computed_tokens
         to_compute = request.num_prompt_tokens + request.num_output_tokens - computed
+        if num_tokens > to_compute and computed and request.status.is_waiting and rid in self._tables:
+            # NOTE: it arrived with its KV (moved from a prefill worker); like a prefix hit, a
+            # policy that asks for the whole prompt gets the rest.
+            num_tokens = to_compute
         if num_tokens <= 0 or num_tokens > to_compute or rid in self.scheduled:
             raise ValueError(f"cannot schedule {num_tokens} tokens of {request!r} (already scheduled or too many)")
         hit = self.prefix_hit(request) if self._caching else ()
@@ -213,7 +217,9 @@ class StepBuilder:
             return False
         status = request.status
         if status is RequestStatus.WAITING or status is RequestStatus.PREEMPTED_RECOMPUTE:
-            if self._caching:
+            # NOTE: a waiting request that came with a table (its KV moved here from a prefill
+            # worker) made no prefix lookup.
+            if self._caching and table is None:
                 self._count_hit(request, computed)
             self._sched.admit(request, self.now)
         elif status is not RequestStatus.DECODING and status is not RequestStatus.PREFILLING:

@@ -5,6 +5,8 @@ places them, and each worker runs the scheduling core with a SimulatedExecutor.
     idle worker with work: plan = schedule(now); result = executor.execute(plan)
                            completion event at now + result.total_s
     completion: on_step_result(result, t); finished requests leave; next step starts
+    KV transfer (disaggregated clusters): Cluster.pop_transfers -> SimulatedTransfers prices it
+                 on the network link -> complete_transfer at its answer time
 
 Only virtual time advances; the wall time of `schedule()` is measured as the scheduling
 overhead. Every request ends: finished, rejected with a reason, or (if a policy can never
@@ -16,22 +18,31 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 
-from scheduler_service.cluster import ClusterSpec, LengthSource, WorkerSpec, build_cluster, build_length_source
+from scheduler_service.cluster import (
+    ClusterSpec,
+    DisaggCluster,
+    LengthSource,
+    WorkerSpec,
+    build_cluster,
+    build_length_source,
+)
 from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.prefix import PrefixSource
 from scheduler_service.core.request import Request
 from scheduler_service.core.slo import NO_SLO
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.sim.executor import SIM_EOS, SimulatedExecutor
+from scheduler_service.sim.network import NETWORKS, gpu_family, load_network
+from scheduler_service.sim.transfer import SimulatedTransfers
 from scheduler_service.sim.workloads.base import TraceRequest, Workload
 from sluice.common.config import cli_name, opt
 from sluice.contract.limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS
-from sluice.contract.plan import StepResult
+from sluice.contract.plan import KVTransferResult, StepResult
 from sluice.contract.sampling import SamplingParams
 
 BUILTIN_SIM_LENGTH_SOURCES = ("oracle", "noisy_oracle", "max_tokens")
@@ -65,6 +76,18 @@ class SimConfig:
     seq_overhead_s: float = opt(0.0, "serving-stack CPU time per scheduled sequence")
     int8_swap: bool = opt(False, "int8-compress swapped KV (halves swap bytes)")
     prefix_caching: bool = opt(True, "automatic prefix caching: reuse the KV of full blocks a request shares")
+    # Disaggregated prefill and decode (cluster/disagg.py): prefill-only and decode-only pools.
+    prefill_workers: int = opt(
+        0, "prefill-only workers (with --decode-workers: a disaggregated cluster instead of --workers)"
+    )
+    decode_workers: int = opt(0, "decode-only workers (with --prefill-workers)")
+    decode_router: str = opt("kv_aware", "router[:key=value,...] that picks each request's decode worker")
+    network: str = opt("nvlink", "link of KV transfers between workers: nvlink, infiniband, pcie, ethernet")
+    transfer_timeout_s: float | None = opt(
+        None, "a KV transfer slower than this is abandoned and the decode worker recomputes the prefill"
+    )
+    int8_transfer: bool = opt(False, "int8-compress KV moved between workers (halves transfer bytes)")
+    transfer_failure_rate: float = opt(0.0, "share of KV transfers that fail (fault injection; seeded)")
     seed: int = opt(0, "seed of the noisy oracle (the workload's --seed)", flag=False)
     progress: bool = opt(False, "progress bar", flag=False)
 
@@ -77,14 +100,28 @@ class SimConfig:
         at_least(self, "max_model_len", 2, "a prompt token and an output token")
         at_least(self, "max_tokens", 1)
         at_least(self, "max_waiting", 1)
-        for name in ("swap_space_gb", "length_error", "step_overhead_s", "seq_overhead_s"):
+        for name in ("swap_space_gb", "length_error", "step_overhead_s", "seq_overhead_s", "prefill_workers"):
             at_least(self, name, 0)
+        at_least(self, "decode_workers", 0)
+        if (self.prefill_workers > 0) != (self.decode_workers > 0):
+            got = f"got {self.prefill_workers} and {self.decode_workers}"
+            raise ValueError(f"--prefill-workers and --decode-workers go together, {got}")
+        if self.network not in NETWORKS:
+            raise ValueError(f"--network must be one of {', '.join(NETWORKS)}, got {self.network!r}")
+        if self.transfer_timeout_s is not None and self.transfer_timeout_s <= 0:
+            raise ValueError(f"--transfer-timeout-s must be > 0, got {self.transfer_timeout_s}")
+        if not 0 <= self.transfer_failure_rate <= 1:
+            raise ValueError(f"--transfer-failure-rate must be in [0, 1], got {self.transfer_failure_rate}")
         if self.kv_gb is not None and self.kv_gb <= 0:
             raise ValueError(f"--kv-gb must be > 0 GiB, got {self.kv_gb}")
         if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
             raise ValueError(f"--queue-timeout-s must be > 0, got {self.queue_timeout_s}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_workers > 0
 
 
 def at_least(config: object, name: str, low: float, why: str = "") -> None:
@@ -150,6 +187,10 @@ class Simulation:
             )
             for w in self.cluster.schedulers
         }
+        self.link = load_network(config.network, gpu_family(cost_model.hardware.name))
+        self.transfers = SimulatedTransfers(
+            self.link, bytes_per_block, config.transfer_timeout_s, config.transfer_failure_rate, config.seed
+        )
 
     def _cluster_spec(self, length_source: LengthSource | None) -> ClusterSpec:
         cfg = self.config
@@ -163,9 +204,16 @@ class Simulation:
         num_gpu = self.cost_model.num_kv_blocks(cfg.block_size, cfg.gpu_memory_utilization, cfg.kv_gb)
         bytes_per_block = self.cost_model.model.kv_bytes_per_token_per_gpu * cfg.block_size
         worker = WorkerSpec(num_gpu, int(cfg.swap_space_gb * 2**30 // bytes_per_block), cfg.block_size)
+        workers = (worker,) * cfg.num_workers
+        if cfg.disaggregated:
+            workers = (replace(worker, role="prefill"),) * cfg.prefill_workers + (
+                replace(worker, role="decode"),
+            ) * cfg.decode_workers
         return ClusterSpec(
             policy=cfg.policy,
-            workers=(worker,) * cfg.num_workers,
+            workers=workers,
+            decode_router=cfg.decode_router,
+            int8_transfer=cfg.int8_transfer,
             cost_model=self.cost_model,
             max_model_len=self.max_model_len,
             router=cfg.router,
@@ -218,6 +266,7 @@ class Simulation:
         arrivals = sorted(self.workload.requests, key=lambda r: (r.arrival_s or 0.0, r.request_id))
         cluster = self.cluster
         events: list[tuple[float, int, int]] = []  # (completion time, seq, worker)
+        moving: list[tuple[float, int, KVTransferResult]] = []  # (answer time, seq, KV transfer's answer)
         busy: dict[int, bool] = dict.fromkeys(cluster.schedulers, False)
         results: dict[int, StepResult] = {}
         seq = 0
@@ -227,8 +276,9 @@ class Simulation:
         while True:
             next_arrival = float(arrivals[i].arrival_s or 0.0) if i < len(arrivals) else math.inf
             next_done = events[0][0] if events else math.inf
+            next_moved = moving[0][0] if moving else math.inf
             next_wake = self._next_wakeup(now, busy)
-            upcoming = min(next_arrival, next_done, next_wake)
+            upcoming = min(next_arrival, next_done, next_moved, next_wake)
             if upcoming == math.inf:
                 break  # NOTE: `now` keeps the last event's time for the leftover sweep below
             now = upcoming
@@ -236,6 +286,8 @@ class Simulation:
                 _, _, w = heapq.heappop(events)
                 busy[w] = False
                 cluster.complete_step(w, results.pop(w), now)
+            elif next_moved <= now:
+                cluster.complete_transfer(heapq.heappop(moving)[2], now)
             elif next_arrival <= now:
                 if cluster.submit(self._make_request(arrivals[i]), now) is not None and bar is not None:
                     bar.update(1)
@@ -249,6 +301,10 @@ class Simulation:
                         busy[w] = True
                         heapq.heappush(events, (now + result.total_s, seq, w))
                         seq += 1
+            for transfer in cluster.pop_transfers():
+                done, answer = self.transfers.start(transfer, now)
+                heapq.heappush(moving, (done, seq, answer))
+                seq += 1
             ended = cluster.pop_ended()
             if bar is not None and ended:
                 bar.update(len(ended))
@@ -273,14 +329,24 @@ class Simulation:
             "max_model_len": self.max_model_len,
             "num_gpu_blocks": self.spec.workers[0].num_gpu_blocks,
             "length_source": self.spec.length_source.name,
+            "num_gpus": len(self.spec.workers) * cm.model.tensor_parallel,
         }
         config.pop("progress", None)
+        details = self.metrics.details()
+        if isinstance(self.cluster, DisaggCluster):
+            link = self.link
+            details["disagg"] = {
+                "prefill_workers": len(self.cluster.prefill_pool),
+                "decode_workers": len(self.cluster.decode_pool),
+                "network": {"name": link.name, "bandwidth_GBps": link.bandwidth_bps / 1e9, "latency_s": link.latency_s},
+                **self.cluster.transfers.summary(),
+            }
         return SimRun(
             policy=self.config.policy,
             workload=self.workload.name,
             config=config,
             metrics=self.metrics.summary(),
-            details=self.metrics.details(),
+            details=details,
         )
 
 

@@ -103,3 +103,36 @@ class StepResult:
     prepare_s: float = 0.0
     swap_bytes: int = 0
     error: StepError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransfer:
+    """One request's KV moving between workers (disaggregated prefill and decode): the
+    scheduler reserved `dst_block_ids` on the decode worker before issuing it and frees
+    `src_block_ids` on the prefill worker once it is answered. Entry i of the source table
+    lands in entry i of the destination table; `num_tokens` of KV are valid."""
+
+    transfer_id: int
+    request_id: str
+    src_worker: int
+    dst_worker: int
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    num_tokens: int
+    int8: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.src_block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferResult:
+    """How a KVTransfer ended: `ok` False (an error, a timeout, a lost worker) makes the
+    scheduler recompute the request's prefill on the decode worker instead."""
+
+    transfer_id: int
+    ok: bool
+    total_s: float
+    nbytes: int = 0
+    error: str = ""
