@@ -9,7 +9,9 @@
     `spread`, chosen on val so that 80% of true lengths fall inside [p10, p90]
     bins (point = "mode_bin", ours): bin probabilities = (1 - alpha) * head's softmax + alpha *
     the neighbours' weighted bin votes; the point estimate is the blended median moved to the
-    nearest length inside the most probable bin (unchanged when it is already there)
+    nearest length inside the most probable bin (unchanged when it is already there); the
+    quantiles stay the blend's, so the point can fall outside [p10, p90] when the bin votes
+    and the quantiles disagree
 
 ALISE switches between the two (retrieval when a neighbour clears the threshold, else the
 MLP); averaging quantiles with a weight that grows with the evidence is the smooth version of
