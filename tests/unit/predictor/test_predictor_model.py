@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-
 import pytest
 
 from predictor_service import artefacts
