@@ -15,6 +15,9 @@
    - ens a: (1 - a) * cls probabilities + a * knn votes, the most probable bin
    bucket accuracy on val and test, ShareGPT and AlpacaEval separately; the share of the most
    common bin; MAE of reg and cls points.
+3. Neighbour agreement (six layers): for each held-out ShareGPT first turn, its most similar
+   train or val prompt, and how often that prompt's answer shares the test answer's bin, by
+   similarity band: how much a similar prompt tells about the length.
 The MLPs are the predictor's head (hidden 256, served-model embedding, size features; 15% of
 samples shown as "unknown model"), early-stopped on val. Takes about 25 minutes on 2 cores.
 """
@@ -157,6 +160,22 @@ def knn_votes(tr: tuple, d: tuple, k: int = 16, temp: float = 0.05) -> np.ndarra
     return probs / np.maximum(total[:, None], 1e-12)
 
 
+def neighbour_agreement(emb: np.ndarray, row: dict[str, int], parts: dict[str, list[Sample]]) -> dict[str, Any]:
+    """Same-bin rate of each held-out ShareGPT prompt's top-1 train/val neighbour, by similarity band."""
+    known = [s for s in (*parts["train"], *parts["val"]) if s.source == "sharegpt"]
+    test = [s for s in parts["test"] if s.source == "sharegpt"]
+    sims = emb[[row[s.prompt] for s in test]] @ emb[[row[s.prompt] for s in known]].T
+    top, best = sims.argmax(1), sims.max(1)
+    agree = length_bucket(np.array([known[j].output_tokens for j in top])) == length_bucket(
+        np.array([s.output_tokens for s in test])
+    )
+    out: dict[str, Any] = {}
+    for lo, hi in ((0.99, 1.01), (0.95, 0.99), (0.9, 0.95), (0.8, 0.9), (0.7, 0.8), (-1.0, 0.7)):
+        m = (best >= lo) & (best < hi)
+        out[f"[{lo}, {hi})"] = {"n": int(m.sum()), "same_bin": float(agree[m].mean()) if m.any() else None}
+    return out
+
+
 def main() -> None:
     import torch
 
@@ -186,6 +205,8 @@ def main() -> None:
         )
 
     result: dict[str, Any] = {"split": {k: len(v) for k, v in parts.items()}, "layers": {}}
+    result["neighbour_agreement_6_layers"] = neighbour_agreement(emb[6], row, parts)
+    print("neighbour agreement:", result["neighbour_agreement_6_layers"], flush=True)
     for layer in map(int, args.layers.split(",")):
         t0 = time.perf_counter()
         tr, va, te = (prep(parts[k], layer) for k in ("train", "val", "test"))
