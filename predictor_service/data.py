@@ -21,7 +21,8 @@ The split is disjoint by prompt: a group key (the ShareGPT conversation id befor
 suffix, since upstream cut long conversations into pieces; the AlpacaEval `instruction_id`;
 the Code Alpaca record) is hashed, and the hash decides test (15%), val (10%) or train (75%)
 for every sample of the group. Test samples whose exact prompt text also occurs in train or
-val under another group are dropped (ShareGPT holds the same prompt in several conversations).
+val under another group are dropped (ShareGPT holds the same prompt in several conversations),
+and so are val samples whose prompt occurs in train (val tunes the blend for unseen prompts).
 """
 
 from __future__ import annotations
@@ -71,7 +72,11 @@ def split_samples(samples: Sequence[Sample]) -> dict[str, list[Sample]]:
     out: dict[str, list[Sample]] = {"train": [], "val": [], "test": []}
     for s in samples:
         out[split_of(s.group)].append(s)
-    seen = {prompt_key(s.prompt) for s in (*out["train"], *out["val"])}
+    seen = {prompt_key(s.prompt) for s in out["train"]}
+    # NOTE: val drops repeats of train prompts too: with them, the blend tuned on val trusted
+    # exact-match neighbours that the (repeat-free) test split never offers.
+    out["val"] = [s for s in out["val"] if prompt_key(s.prompt) not in seen]
+    seen |= {prompt_key(s.prompt) for s in out["val"]}
     out["test"] = [s for s in out["test"] if prompt_key(s.prompt) not in seen]
     return out
 

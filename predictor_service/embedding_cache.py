@@ -4,7 +4,7 @@
           torch encoder (progress bar), appended and saved --> float32 [N, 384] in input order
 
 Keyed by a SHA-1 of each prompt text; the tag names the encoder export settings (input cap),
-so a run with another cap never reads vectors it did not compute. Encoding the shared
+so a run with another cap (or fewer layers) never reads vectors it did not compute. Encoding the shared
 ShareGPT + AlpacaEval prompts once takes minutes on two cores; every later run reads them.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from predictor_service.artefacts import cache_dir
-from predictor_service.encoder import EMBEDDING_DIM
+from predictor_service.encoder import EMBEDDING_DIM, FULL_LAYERS
 
 
 def text_key(text: str) -> bytes:
@@ -25,9 +25,11 @@ def text_key(text: str) -> bytes:
 
 
 class EmbeddingCache:
-    def __init__(self, max_input_tokens: int, path: Path | None = None) -> None:
+    def __init__(self, max_input_tokens: int, path: Path | None = None, layers: int = FULL_LAYERS) -> None:
         self.max_input_tokens = max_input_tokens
-        self.path = path or cache_dir() / f"embeddings-minilm-fp32-{max_input_tokens}.npz"
+        self.layers = layers
+        tag = f"{max_input_tokens}" if layers == FULL_LAYERS else f"{max_input_tokens}-l{layers}"
+        self.path = path or cache_dir() / f"embeddings-minilm-fp32-{tag}.npz"
         self._rows: dict[bytes, int] = {}
         self._vectors = np.zeros((0, EMBEDDING_DIM), dtype=np.float32)
         if self.path.is_file():
@@ -42,7 +44,8 @@ class EmbeddingCache:
         if missing:
             from predictor_service.encoder import PromptTokenizer, TorchEncoder
 
-            enc = encoder or TorchEncoder(PromptTokenizer(max_input_tokens=self.max_input_tokens))
+            tokenizer = PromptTokenizer(max_input_tokens=self.max_input_tokens)
+            enc = encoder or TorchEncoder(tokenizer, layers=self.layers)
             vectors = enc.encode([t for _, t in missing], progress=progress)  # type: ignore[attr-defined]
             start = len(self._vectors)
             self._vectors = np.concatenate([self._vectors, vectors])

@@ -25,6 +25,12 @@ EMBEDDING_DIM = 384
 # NOTE: 128 tokens keeps a long prompt's encoding near 17-20 ms on 2 CPU threads (ECOSYSTEM);
 # the prompt's full size still reaches the head through its word and character counts.
 DEFAULT_MAX_INPUT_TOKENS = 128
+# MiniLM-L6 has six transformer layers; a model directory may keep only the first N of them
+# (config "encoder.layers"): the cost of one prompt is nearly proportional to N.
+FULL_LAYERS = 6
+# NOTE: two layers: a third of the encoder's time, and held-out bucket accuracy with layers 0-6
+# measured within noise of each other (docs/RESULTS.md, "Length predictor").
+DEFAULT_LAYERS = 2
 
 
 def encoder_package_dir() -> Path:
@@ -87,25 +93,32 @@ def _pooled_encoder_class() -> Any:
     return PooledEncoder
 
 
-def load_pooled_encoder() -> Any:
-    """The torch PooledEncoder with the package's weights, in eval mode (offline)."""
+def load_pooled_encoder(layers: int = FULL_LAYERS) -> Any:
+    """The torch PooledEncoder with the package's weights and its first `layers` transformer
+    layers, in eval mode (offline)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModel
 
+    if not 1 <= layers <= FULL_LAYERS:
+        raise ValueError(f"encoder layers must be 1..{FULL_LAYERS}, got {layers}")
     bert = AutoModel.from_pretrained(str(encoder_package_dir()), local_files_only=True)
+    bert.encoder.layer = bert.encoder.layer[:layers]
+    bert.config.num_hidden_layers = layers
     return _pooled_encoder_class()(bert).eval()
 
 
 class TorchEncoder:
     """Encodes with torch (training-time embeddings and the reference for the ONNX export)."""
 
-    def __init__(self, tokenizer: PromptTokenizer | None = None, threads: int | None = None) -> None:
+    def __init__(
+        self, tokenizer: PromptTokenizer | None = None, threads: int | None = None, layers: int = FULL_LAYERS
+    ) -> None:
         import torch
 
         if threads:
             torch.set_num_threads(threads)
         self.tokenizer = tokenizer or PromptTokenizer()
-        self.module = load_pooled_encoder()
+        self.module = load_pooled_encoder(layers)
 
     def encode_ids(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         import torch

@@ -2,7 +2,7 @@
 
     PooledEncoder (torch) --torch.onnx.export (dynamic batch and sequence)--> encoder.onnx (fp32)
                           --onnxruntime dynamic int8 quantization----------> encoder.onnx (int8)
-    LengthHead (torch)    --torch.onnx.export (dynamic batch)--------------> head.onnx
+    LengthHead (torch)    --torch.onnx.export (dynamic batch)--------------> head.onnx (quantiles, bin logits)
     then: IR version set to 10, onnx.checker, and (encoder) onnxruntime vs torch on a padded batch
 
 NOTE: the TorchScript-based exporter (`dynamo=False`), for two measured reasons: it takes 1.7 s
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from predictor_service.encoder import FULL_LAYERS
 
 ONNX_IR_VERSION = 10
 ONNX_OPSET = 17
@@ -63,10 +65,12 @@ def _export(module: Any, args: tuple[Any, ...], names: tuple[list[str], list[str
     _set_ir10(path)
 
 
-def export_encoder(path: str | Path, max_input_tokens: int = 128, precision: str = "fp32") -> Path:
-    """Writes the pooled MiniLM encoder (dynamic batch and sequence axes) to `path`; `int8`
-    quantizes its weights dynamically (4x smaller, about 2x faster on one core; measured in
-    docs/RESULTS.md, "Length predictor")."""
+def export_encoder(
+    path: str | Path, max_input_tokens: int = 128, precision: str = "fp32", layers: int = FULL_LAYERS
+) -> Path:
+    """Writes the pooled MiniLM encoder (its first `layers` layers; dynamic batch and sequence
+    axes) to `path`; `int8` quantizes its weights dynamically (4x smaller, faster on one core;
+    measured in docs/RESULTS.md, "Length predictor")."""
     import torch
 
     from predictor_service.encoder import PromptTokenizer, load_pooled_encoder
@@ -74,7 +78,7 @@ def export_encoder(path: str | Path, max_input_tokens: int = 128, precision: str
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     path = Path(path)
-    module = load_pooled_encoder()
+    module = load_pooled_encoder(layers)
     ids, mask = PromptTokenizer(max_input_tokens=max_input_tokens).batch(list(CHECK_PROMPTS[:2]))
     dynamic = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"}}
     args = (torch.from_numpy(ids), torch.from_numpy(mask))
@@ -89,14 +93,16 @@ def export_encoder(path: str | Path, max_input_tokens: int = 128, precision: str
     return path
 
 
-def check_encoder(path: str | Path, max_input_tokens: int = 128, tolerance: float = ENCODER_TOLERANCE) -> float:
-    """Largest absolute difference between the ONNX and the torch embeddings of a padded batch;
-    raises when it exceeds ENCODER_TOLERANCE."""
+def check_encoder(
+    path: str | Path, max_input_tokens: int = 128, tolerance: float = ENCODER_TOLERANCE, layers: int = FULL_LAYERS
+) -> float:
+    """Largest absolute difference between the ONNX and the torch embeddings (same `layers`) of
+    a padded batch; raises when it exceeds `tolerance`."""
     from predictor_service.encoder import OnnxEncoder, PromptTokenizer, TorchEncoder
 
     tokenizer = PromptTokenizer(max_input_tokens=max_input_tokens)
     ids, mask = tokenizer.batch(list(CHECK_PROMPTS))
-    ref = TorchEncoder(tokenizer).encode_ids(ids, mask)
+    ref = TorchEncoder(tokenizer, layers=layers).encode_ids(ids, mask)
     got = OnnxEncoder(path, tokenizer, device="cpu").encode_ids(ids, mask)
     diff = float(np.max(np.abs(ref - got)))
     if diff > tolerance:
@@ -105,7 +111,8 @@ def check_encoder(path: str | Path, max_input_tokens: int = 128, tolerance: floa
 
 
 def export_head(head: Any, path: str | Path, num_models: int) -> Path:
-    """Writes the trained LengthHead (inputs: embedding, size features, model index) to `path`."""
+    """Writes the trained LengthHead (inputs: embedding, size features, model index; outputs:
+    log-length quantiles, bin logits) to `path`."""
     import torch
 
     from predictor_service.encoder import EMBEDDING_DIM
@@ -113,5 +120,6 @@ def export_head(head: Any, path: str | Path, num_models: int) -> Path:
     head = head.eval()
     args = (torch.zeros(2, EMBEDDING_DIM), torch.zeros(2, 2), torch.zeros(2, dtype=torch.int64) % max(num_models, 1))
     dynamic = {"prompt_embedding": {0: "batch"}, "size_features": {0: "batch"}, "model_index": {0: "batch"}}
-    _export(head, args, (["prompt_embedding", "size_features", "model_index"], ["log_quantiles"]), dynamic, Path(path))
+    names = (["prompt_embedding", "size_features", "model_index"], ["log_quantiles", "bin_logits"])
+    _export(head, args, names, dynamic, Path(path))
     return Path(path)

@@ -54,9 +54,14 @@ def coverage(true: np.ndarray, preds: Sequence[LengthPrediction], lo: float = 0.
 
 
 def accuracy_report(
-    split: Any, preds: Sequence[LengthPrediction], head_points: np.ndarray, retr_points: np.ndarray
+    split: Any,
+    preds: Sequence[LengthPrediction],
+    head_points: np.ndarray,
+    retr_points: np.ndarray,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """Per subset: n, blend / head / retrieval point metrics, 80% interval coverage, mode-bin rate."""
+    """Per subset: n, blend / head / retrieval (and any `extra` named points) point metrics, 80%
+    interval coverage, mode-bin rate."""
     true = split.tokens
     points = np.array([p.tokens for p in preds])
     subsets = {
@@ -74,6 +79,7 @@ def accuracy_report(
             "blend": point_metrics(true[m], points[m]),
             "head": point_metrics(true[m], head_points[m]),
             "retrieval": point_metrics(true[m], retr_points[m]),
+            **{name: point_metrics(true[m], pts[m]) for name, pts in (extra or {}).items()},
             "coverage_p10_p90": coverage(true[m], [p for p, keep in zip(preds, m, strict=True) if keep]),
             "mode_bucket_rate": mode_bucket_rate(true[m]),
             "constant_mae_tokens": float(np.mean(np.abs(true[m] - np.median(true[m])))),

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from predictor_service import artefacts
-from predictor_service.blend import BlendConfig, blend, to_tokens
+from predictor_service.blend import BlendConfig, blend, point_tokens, to_tokens
 from predictor_service.encoder import OnnxEncoder, PromptTokenizer, size_features
 from predictor_service.head import OnnxHead
 from predictor_service.retrieval import History
@@ -102,20 +102,21 @@ class LengthPredictor:
     ) -> list[LengthPrediction]:
         t0 = time.perf_counter()
         index = np.array([self.model_index(m) for m in models], dtype=np.int64)
-        head_q = self.head(embeddings, size_features(texts), index)
+        head_q, head_probs = self.head(embeddings, size_features(texts), index)
         nb = self.history.search(list(models), embeddings, self.blend_config.k)
         log_q, alpha = blend(head_q, nb, self.blend_config, self.levels)
         tokens = to_tokens(log_q)
+        points = point_tokens(log_q, head_probs, nb, self.blend_config, self.median_at)
         latency = (time.perf_counter() - t0) / max(1, len(texts))
         return [
             LengthPrediction(
-                int(row[self.median_at]),
+                int(point),
                 tuple(zip(self.levels, (int(v) for v in row), strict=True)),
                 _source(float(a)),
                 self.version,
                 latency,
             )
-            for row, a in zip(tokens, alpha, strict=True)
+            for point, row, a in zip(points, tokens, alpha, strict=True)
         ]
 
     def predict(

@@ -35,6 +35,13 @@ def _train_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit-per-source", type=int, help="samples per prompt file (small runs)")
     p.add_argument("--max-input-tokens", type=int, default=128, help="encoder input cap (128-256)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "int8"), help="of the served encoder export")
+    p.add_argument("--encoder-layers", type=int, default=2, help="MiniLM layers kept (1-6; fewer: faster)")
+    p.add_argument(
+        "--point", default="median", choices=("median", "mode_bin"), help="point estimate: median or most probable bin"
+    )
+    p.add_argument(
+        "--sharegpt-first-turn-only", action="store_true", help="ShareGPT: train and test on first human -> gpt pairs"
+    )
     p.add_argument("--epochs", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -97,6 +104,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         max_input_tokens=args.max_input_tokens,
         precision=args.precision,
+        encoder_layers=args.encoder_layers,
+        point=args.point,
+        sharegpt_first_turn_only=args.sharegpt_first_turn_only,
         limit_per_source=args.limit_per_source,
         epochs=args.epochs,
         seed=args.seed,
@@ -127,11 +137,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if out.resolve() != src.resolve():
             shutil.copytree(src, out, dirs_exist_ok=True)
-        path = export_encoder(out / artefacts.ENCODER_FILE, enc["max_input_tokens"], enc["precision"])
+        path = export_encoder(
+            out / artefacts.ENCODER_FILE, enc["max_input_tokens"], enc["precision"], artefacts.encoder_layers(config)
+        )
     else:
         path = artefacts.encoder_path(src)
     tolerance = 1e-4 if enc["precision"] == "fp32" else 1.0
-    diff = check_encoder(path, enc["max_input_tokens"], tolerance)
+    diff = check_encoder(path, enc["max_input_tokens"], tolerance, artefacts.encoder_layers(config))
     print(f"encoder {path} ({enc['precision']}): max |onnx - torch| = {diff:.2e} on a padded batch")
     print(f"head {src / artefacts.HEAD_FILE}")
     return 0

@@ -114,3 +114,33 @@ def test_spread_is_calibrated_so_that_p10_to_p90_holds_about_80_percent() -> Non
     head_q = np.tile(head, (len(true), 1))
     cfg, covered = calibrate_spread(head_q, neighbours([], []), BlendConfig(k=4), LEVELS, true)
     assert cfg.spread >= 1.75 and abs(covered - 0.8) < 0.06, (cfg.spread, covered)
+
+
+def test_mode_bin_point_moves_the_median_the_least_distance_into_the_most_probable_bin() -> None:
+    from predictor_service.blend import mode_bin_point
+
+    probs = np.zeros((4, 10))
+    probs[[0, 1, 2, 3], [2, 2, 0, 9]] = 1.0
+    got = mode_bin_point(np.array([250, 420, 150, 640]), probs)
+    # already inside: kept; above the bin: its top; below: the bin's floor (>= 1); the last bin is open
+    assert got.tolist() == [250, 299, 99, 900]
+    assert mode_bin_point(np.array([5000]), probs[[3]]).tolist() == [5000]
+
+
+def test_bin_probabilities_mix_the_head_with_neighbour_votes_by_the_blend_weight() -> None:
+    from predictor_service.blend import bin_probabilities, point_tokens
+
+    head = np.full((1, 10), 0.1)
+    head[0, 1] = 0.3
+    head /= head.sum()
+    cfg = BlendConfig(k=4, threshold=0.8, temperature=0.05, kappa=0.5, point="mode_bin")
+    probs = bin_probabilities(head, neighbours([1.0, 1.0], [720, 760]), cfg)
+    alpha = 2.0 / 2.5
+    assert probs.sum() == pytest.approx(1.0)
+    assert probs[0, 7] == pytest.approx(alpha + (1 - alpha) * head[0, 7]) and probs.argmax() == 7
+    assert np.allclose(bin_probabilities(head, neighbours([], []), cfg), head), "no neighbours: the head alone"
+    log_q = np.log1p(np.array([[80.0, 120.0, 150.0, 250.0, 400.0]]))
+    nb = neighbours([1.0, 1.0], [720, 760])
+    assert point_tokens(log_q, head, nb, cfg, 2)[0] == 700, "the median moved up into the neighbours' bin"
+    assert point_tokens(log_q, head, nb, BlendConfig(k=4), 2)[0] == 150, "median: ALISE's regression point"
+    assert point_tokens(log_q, None, nb, cfg, 2)[0] == 150, "a head without bins keeps the median"

@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from predictor_service import artefacts
+from predictor_service.encoder import DEFAULT_LAYERS, FULL_LAYERS
 from predictor_service.export import CHECK_PROMPTS, ENCODER_TOLERANCE, check_encoder
 from predictor_service.predictor import LengthPredictor
 
@@ -16,7 +18,11 @@ def test_encoder_onnx_matches_torch_on_a_padded_batch(tiny_predictor_dir: Path) 
     path = artefacts.encoder_path(tiny_predictor_dir)
     lengths = [len(p.split()) for p in CHECK_PROMPTS]
     assert max(lengths) > 10 * min(lengths), "the check batch must be padded"
-    assert check_encoder(path) <= ENCODER_TOLERANCE
+    layers = artefacts.encoder_layers(artefacts.read_config(tiny_predictor_dir))
+    assert layers == DEFAULT_LAYERS < FULL_LAYERS
+    assert check_encoder(path, layers=layers) <= ENCODER_TOLERANCE
+    with pytest.raises(RuntimeError, match="differs from torch"):
+        check_encoder(path, layers=FULL_LAYERS)  # the torch reference with all six layers is another encoder
 
 
 def test_head_loss_drops_and_beats_a_constant_on_the_held_out_slice(tiny_predictor_dir: Path) -> None:
@@ -43,6 +49,27 @@ def test_predictor_answers_quantiles_and_respects_max_tokens(tiny_predictor: Len
         assert values == sorted(values) and p.tokens == p.p50
         assert p.predictor_version == tiny_predictor.version and p.latency_s > 0
     assert preds[1].tokens <= 5 and preds[1].p90 <= 5
+
+
+def test_mode_bin_point_lands_in_the_most_probable_bin(tiny_predictor: LengthPredictor) -> None:
+    from dataclasses import replace
+
+    from predictor_service.blend import bin_probabilities
+    from predictor_service.encoder import size_features
+    from sluice.contract.lengths import length_bucket
+
+    prompts = ["Write a long essay about the history of Rome.", "Say yes or no.", "Explain TCP in detail."]
+    predictor = tiny_predictor.with_new_history()
+    predictor.blend_config = replace(predictor.blend_config, point="mode_bin")
+    preds = predictor.predict(prompts, "chatgpt-sharegpt")
+    emb = predictor.embed(prompts)
+    _, probs = predictor.head(emb, size_features(prompts), np.array([predictor.model_index("chatgpt-sharegpt")] * 3))
+    assert probs is not None and np.allclose(probs.sum(axis=1), 1.0)
+    nb = predictor.history.search(["chatgpt-sharegpt"] * 3, emb, predictor.blend_config.k)
+    mode = bin_probabilities(probs, nb, predictor.blend_config).argmax(axis=1)
+    assert [int(length_bucket(p.tokens)) for p in preds] == mode.tolist()
+    for p in preds:
+        assert p.p10 <= p.p50 <= p.p90, "the quantiles stay the blend's"
 
 
 def test_observe_teaches_the_next_prediction_of_the_same_prompt(tiny_predictor: LengthPredictor) -> None:
