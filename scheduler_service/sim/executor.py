@@ -4,7 +4,8 @@ It keeps the same per-request state a real worker keeps (tokens computed, tokens
 generated), turns each plan into a BatchShape, prices it with the cost model, and
 "samples" a token for every request in `sample_ids`: the end-of-sequence token once the
 request reaches its true length from the trace, a filler token otherwise. Static-batching
-plans (`padded_len`, `invalid_tokens` in the metadata) are priced with their padding.
+plans (`padded_len`, `padded_context`, `invalid_tokens` in the metadata) are priced with their
+padding: prefill rows at the padded length, decode rows at the padded context.
 KV swaps are priced over PCIe; int8 halves the bytes (ALISE), and `overlap_swap` hides
 them behind compute as an engine with a copy stream does. An optional CPU-overhead model
 (a fixed cost per step plus one per scheduled sequence) adds what the serving stack spends
@@ -52,10 +53,13 @@ class SimulatedExecutor:
         shape = BatchShape()
         chunks = shape.prefill_chunks
         padded = plan.metadata.get("padded_len") if plan.metadata else None
+        # A static batch's live rows decode at the padded context, not their own (every row
+        # of a padded batch is as long as its longest input).
+        padded_ctx = int(plan.metadata.get("padded_context", 0)) if plan.metadata else 0
         for rid, n in plan.num_scheduled_tokens.items():
             ctx = computed[rid]
             if n == 1 and ctx > 0:
-                shape.add_decode(ctx + 1)
+                shape.add_decode(max(ctx + 1, padded_ctx))
             else:
                 chunks.append((padded, 0) if padded else (n, ctx))
             computed[rid] = ctx + n
