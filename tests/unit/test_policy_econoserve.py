@@ -176,9 +176,7 @@ def test_a_group_starts_and_ends_together_and_the_group_that_does_not_fit_is_spl
 
 def test_a_mispredicted_gt_uses_the_reserve_before_it_is_stopped_and_kept_on_the_gpu() -> None:
     # x: 3 blocks (prompt 4 + 8 predicted), y: 11 blocks, 2 reserve blocks; nothing else free.
-    sched = make_scheduler(
-        "econoserve:variant=SDO,padding=0,reserve=0.125", num_gpu_blocks=16, block_size=4
-    )
+    sched = make_scheduler("econoserve:variant=SDO,padding=0,reserve=0.125", num_gpu_blocks=16, block_size=4)
     x, y = predicted("x", 4, 30, 8), predicted("y", 4, 40, 40)
     add(sched, x, y)
     t = 0.0
@@ -287,5 +285,6 @@ def test_time_synced_groups_start_new_gts_only_when_a_group_completes(variant: s
     plan, _ = step(sched, 0.3)  # b is a GT now
     assert ("b" in plan.num_scheduled_tokens) is joins_at_once
     run_to_completion(sched)
-    assert (b.finish_time is not None and a.finish_time is not None) and (b.finish_time < a.finish_time) is joins_at_once
+    assert b.finish_time is not None and a.finish_time is not None
+    assert (b.finish_time < a.finish_time) is joins_at_once
     sched.assert_empty()
