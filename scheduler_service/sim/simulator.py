@@ -64,6 +64,11 @@ class SimConfig:
     step_overhead_s: float = opt(0.0, "serving-stack CPU time per step outside the model")
     seq_overhead_s: float = opt(0.0, "serving-stack CPU time per scheduled sequence")
     int8_swap: bool = opt(False, "int8-compress swapped KV (halves swap bytes)")
+    # What a swap costs beyond bytes / PCIe bandwidth (vLLM v0): each block is copied per layer,
+    # keys and values apart (2 x layers cudaMemcpyAsync calls per block), and the step that
+    # swaps waits for the copies before its forward pass.
+    swap_copy_overhead_s: float = opt(0.0, "seconds per KV copy call of a swap (2 x layers calls per block)")
+    swap_stall_s: float = opt(0.0, "seconds a step that swaps stalls beyond its copies")
     prefix_caching: bool = opt(True, "automatic prefix caching: reuse the KV of full blocks a request shares")
     seed: int = opt(0, "seed of the noisy oracle (the workload's --seed)", flag=False)
     progress: bool = opt(False, "progress bar", flag=False)
@@ -77,7 +82,14 @@ class SimConfig:
         at_least(self, "max_model_len", 2, "a prompt token and an output token")
         at_least(self, "max_tokens", 1)
         at_least(self, "max_waiting", 1)
-        for name in ("swap_space_gb", "length_error", "step_overhead_s", "seq_overhead_s"):
+        for name in (
+            "swap_space_gb",
+            "length_error",
+            "step_overhead_s",
+            "seq_overhead_s",
+            "swap_copy_overhead_s",
+            "swap_stall_s",
+        ):
             at_least(self, name, 0)
         if self.kv_gb is not None and self.kv_gb <= 0:
             raise ValueError(f"--kv-gb must be > 0 GiB, got {self.kv_gb}")
@@ -147,6 +159,7 @@ class Simulation:
                 self.truth,
                 config.overlap_swap,
                 overhead=(config.step_overhead_s, config.seq_overhead_s),
+                swap_costs=(config.swap_copy_overhead_s * 2 * cost_model.model.num_layers, config.swap_stall_s),
             )
             for w in self.cluster.schedulers
         }
