@@ -139,7 +139,7 @@ def _accelgen() -> list[Claim]:
     return [
         Claim(
             "goodput",
-            "AccelGen vs vLLM and Sarathi: goodput on the AccelGen mix (OPT-13B, A100, 12 GB KV)",
+            "AccelGen vs vLLM: goodput on the AccelGen mix (OPT-13B, A100, 12 GB KV)",
             "1.42-11.21x tok/s, 1.54-10x req/s; goodput 1.61-12.22x (section 6.2)",
             "opt-13b",
             "a100-80g",
@@ -154,7 +154,7 @@ def _accelgen() -> list[Claim]:
             max_tokens=2048,
             offline_share=0.2,
             quick_rate=0.4,
-            duration_s=400.0,
+            duration_s=300.0,
             context_is_kv=True,
         )
     ]
@@ -165,7 +165,7 @@ def _econoserve() -> list[Claim]:
     return [
         Claim(
             "capacity",
-            "EconoServe vs vLLM (swap) and Sarathi: rate at a normalized-latency bound (OPT-13B, A100, ShareGPT)",
+            "EconoServe vs vLLM (swap): rate at a normalized-latency bound (OPT-13B, A100, ShareGPT)",
             "1.28-2.33x the request rate of vLLM (OPT-13B, section 4)",
             "opt-13b",
             "a100-80g",
@@ -193,7 +193,7 @@ def _scls() -> list[Claim]:
     return [
         Claim(
             "throughput",
-            "SCLS vs its ILS baseline (FastGen, capped) and SLS: throughput and response time "
+            "SCLS vs its ILS baseline (FastGen, capped at 16 and 8 sequences): throughput and response time "
             "(Llama-2-13B, 2 x A100, ShareGPT)",
             "+61.6% to +171% throughput vs FastGen (DS engine, section 5.2)",
             "llama-2-13b",
@@ -203,8 +203,6 @@ def _scls() -> list[Claim]:
                 scls,
                 System("fastgen", "fastgen:max_seqs=16"),
                 System("fastgen-cap8", "fastgen:max_seqs=8"),
-                System("fastgen-cap32", "fastgen:max_seqs=32"),
-                System("sls", "sls"),
             ),
             "fastgen",
             (2.0, 4.0, 6.0),
@@ -213,7 +211,7 @@ def _scls() -> list[Claim]:
             max_model_len=4096,
             workers=2,
             quick_rate=2.0,
-            duration_s=200.0,
+            duration_s=150.0,
         )
     ]
 
@@ -248,7 +246,7 @@ def _alise() -> list[Claim]:
             (1.0, 2.0, 3.0),
         ),
         claim(
-            "econoserve-alpaca", "1.3-1.8x throughput at the same latency (Alpaca, Figure 6)", (8.0, 16.0, 24.0), 80.0
+            "econoserve-alpaca", "1.3-1.8x throughput at the same latency (Alpaca, Figure 6)", (8.0, 16.0, 24.0), 60.0
         ),
     ]
 
