@@ -581,6 +581,44 @@ def plot(res: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def scls_cause(rate: float = 4.0, seed: int = 0) -> list[dict[str, Any]]:
+    """Where SCLS's GPU time goes against FastGen's, on one seed of the SCLS claim: tokens
+    prefilled (every slice re-prefills prompt + generated), pad and invalid tokens, busy time,
+    for the same output; FastGen capped at 16 and at 4 sequences."""
+    claim = _scls()[0]
+    cm = build_cost_model("analytic", claim.model, claim.hardware)
+    wl = workload(claim, cm, rate, seed, Setup(claim.duration_s or 150.0, 0.2, 200))
+    out = []
+    for label, policy, router in (
+        ("scls", "scls", "scls"),
+        ("fastgen", "fastgen:max_seqs=16", "round_robin"),
+        ("fastgen-cap4", "fastgen:max_seqs=4", "round_robin"),
+    ):
+        cfg = SimConfig(
+            policy=policy,
+            router=router,
+            num_workers=claim.workers,
+            kv_gb=claim.kv_gb,
+            block_size=claim.block_size,
+            max_model_len=claim.max_model_len,
+            seed=seed,
+        )
+        run = Simulation(cfg, wl, cm).run()
+        d = run.details
+        row = {
+            "system": label,
+            "throughput_req_s": run.metrics["throughput_req_s"],
+            "output_tokens": d["output_tokens"],
+            "prefill_tokens": d["prefill_tokens"],
+            "pad_tokens": d["pad_tokens"],
+            "invalid_tokens": d["invalid_tokens"],
+            "busy_s": sum(d["busy_s_per_worker"].values()),
+        }
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paper", choices=sorted(PAPERS))
@@ -591,7 +629,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--refine", type=int, default=1, help="bisection probes per capacity beyond the sweep")
     parser.add_argument("--quick", action="store_true", help="one seed, one rate, 60 s: a smoke run")
     parser.add_argument("--out", default="docs/repro")
+    parser.add_argument("--cause", action="store_true", help="scls only: where its GPU time goes against FastGen's")
     args = parser.parse_args(argv)
+    if args.cause:
+        if args.paper != "scls":
+            parser.error("--cause is measured for scls only")
+        return {"paper": "scls", "cause": scls_cause()}
     if args.quick:
         setup, seeds = Setup(60.0, args.warmup, 30), [0]
     else:
