@@ -243,10 +243,11 @@ def _alise() -> list[Claim]:
         claim(
             "econoserve-sharegpt",
             "up to 2.1x throughput at the same latency (ShareGPT, Figure 6)",
-            (1.0, 2.0, 3.0),
+            (3.0, 4.0, 5.0),
+            150.0,
         ),
         claim(
-            "econoserve-alpaca", "1.3-1.8x throughput at the same latency (Alpaca, Figure 6)", (8.0, 16.0, 24.0), 60.0
+            "econoserve-alpaca", "1.3-1.8x throughput at the same latency (Alpaca, Figure 6)", (24.0, 40.0, 56.0), 40.0
         ),
     ]
 
