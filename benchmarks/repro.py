@@ -377,6 +377,10 @@ def run_one(claim: Claim, system: System, rate: float, seed: int, setup: Setup) 
         busy_s=sum(full.details["busy_s_per_worker"].values()),
         swap_s=sim.swap_s,
     )
+    placements = [getattr(s.policy, "num_alg2_placements", None) for s in sim.cluster.schedulers.values()]
+    if placements[0] is not None:  # AccelGen: how often Algorithm 2 placed a request
+        row["alg2_placements"] = sum(placements)
+        row["num_steps"] = full.details["num_steps"]
     return row
 
 

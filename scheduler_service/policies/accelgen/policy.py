@@ -137,6 +137,7 @@ class AccelGenPolicy(Policy):
         self._batch: list[Request] = []
         self._chunks: list[int] = []
         self._mode = preemption_mode(config)
+        self.num_alg2_placements = 0  # requests Algorithm 2's Euclidean rule added (reports)
 
     def _pivot(self) -> tuple[int, float]:
         c = self.config
@@ -447,6 +448,7 @@ class AccelGenPolicy(Policy):
             req = pick.request
             if self._admissible(r, req) and self._schedule(r, req, min(pick.tokens, a_c)):
                 picked += 1
+                self.num_alg2_placements += 1
             else:
                 r.deferred.append(pick.entry)
         return picked
