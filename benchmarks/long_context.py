@@ -119,7 +119,8 @@ def policies_part(cm: CostModel, n: int, rates: list[float]) -> dict[str, Any]:
     jobs = [(rate, p) for rate in rates for p in POLICIES.names()]
     for rate, policy in tqdm(jobs, desc="policies on long contexts", unit="run"):
         wl = workload("mooncake", n, rate, cm)
-        router = "scls" if policy == "scls" else "round_robin"  # SCLS is its router plus its policy
+        # SCLS is its router plus its policy; ours: longer slices for long prompts
+        router = "scls:max_prefill_share=0.5" if policy == "scls" else "round_robin"
         out.setdefault(str(rate), {})[policy] = run(replace(BASE, policy=policy, router=router), wl, cm)
     return out
 

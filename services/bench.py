@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 DEFAULT_TARGET = os.environ.get("SLUICE_TARGET", "127.0.0.1:50051")
 PROMPT_TOKEN_BASE = 1000  # synthetic prompt ids cycle through [1000, 2000): valid in every vocabulary we serve
 PROMPT_TOKEN_SPAN = 1000
-SERVER_ONLY_METRICS = ("compute_util_mean", "kv_util_mean", "kv_alloc_failures", "load_imbalance_s")
+SERVER_ONLY_METRICS = ("compute_util_mean", "kv_util_mean", "kv_used_mean", "kv_alloc_failures", "load_imbalance_s")
 PROMPT_SOURCES = ("auto", "tokens", "text")
 
 

@@ -12,7 +12,10 @@ is recorded per token on the hot path. `summary()` returns the keys of DESIGN.md
   rejected / timed-out / failed requests counted as misses; JCT-level = share of requests
   with a JCT SLO that met it. Goodput = requests meeting all SLOs per second.
 - compute utilization = mean over steps of forward size / the policy's token budget
-  (AccelGen); KV utilization = mean over steps of allocated / total GPU blocks.
+  (AccelGen); KV utilization = mean over steps of allocated / total GPU blocks; used KV =
+  mean over steps of the tokens whose KV exists (computed tokens of the requests holding GPU
+  KV, at most what is allocated) / the GPU KV's tokens. The gap between the two is KV
+  allocated ahead of use (whole prompts, reservations, padding; KVCPipe's target).
 - load imbalance = std of per-worker busy time (SCLS).
 """
 
@@ -45,6 +48,7 @@ METRIC_KEYS = (
     "normalized_latency_s",
     "compute_util_mean",
     "kv_util_mean",
+    "kv_used_mean",
     "preemptions",
     "kv_alloc_failures",
     "sched_overhead_ms",
@@ -93,6 +97,7 @@ class MetricsRecorder:
         self.num_steps = 0
         self.compute_util_sum = 0.0
         self.kv_util_sum = 0.0
+        self.kv_used_sum = 0.0
         self.forward_tokens = 0
         self.busy_s: dict[int, float] = {}
         self.sched_overhead_s = array("d")
@@ -174,7 +179,16 @@ class MetricsRecorder:
         if request.slo.jct_s is not None:
             self.jct_judged += 1
 
-    def on_step(self, worker_id: int, plan: StepPlan, result: StepResult, now: float, kv: KVCacheManager) -> None:
+    def on_step(
+        self,
+        worker_id: int,
+        plan: StepPlan,
+        result: StepResult,
+        now: float,
+        kv: KVCacheManager,
+        used_tokens: int = 0,
+    ) -> None:
+        """`used_tokens`: tokens whose KV exists on the GPU after the step."""
         n = sum(plan.num_scheduled_tokens.values())
         self.num_steps += 1
         self.forward_tokens += n
@@ -182,6 +196,10 @@ class MetricsRecorder:
             self.compute_util_sum += n / plan.token_budget
         if kv.gpu.num_blocks:
             self.kv_util_sum += kv.gpu.num_used / kv.gpu.num_blocks
+            # NOTE: shared prefix blocks count once per sharer; capping at the allocated
+            # tokens keeps "used" within "allocated".
+            capacity = kv.gpu.num_blocks * kv.block_size
+            self.kv_used_sum += min(used_tokens, kv.gpu.num_used * kv.block_size) / capacity
         self.busy_s[worker_id] = self.busy_s.get(worker_id, 0.0) + result.total_s
         self.swap_bytes += result.swap_bytes
         if plan.metadata:
@@ -216,6 +234,7 @@ class MetricsRecorder:
             "normalized_latency_s": percentiles(self.normalized_latency)["mean"],
             "compute_util_mean": self.compute_util_sum / self.num_steps if self.num_steps else None,
             "kv_util_mean": self.kv_util_sum / self.num_steps if self.num_steps else None,
+            "kv_used_mean": self.kv_used_sum / self.num_steps if self.num_steps else None,
             "preemptions": sum(self.preemptions.values()),
             "kv_alloc_failures": self.kv_alloc_failures,
             "sched_overhead_ms": {

@@ -179,7 +179,10 @@ class Scheduler:
                 if stop is not None:
                     self.end(req, stop, now)
         if plan.num_scheduled_tokens:
-            self.metrics.on_step(self.worker_id, plan, result, now, self.kv)
+            used = sum(r.num_computed_tokens for r in self.running.values())
+            if self.kept:
+                used += sum(r.num_computed_tokens for r in self.kept.values())
+            self.metrics.on_step(self.worker_id, plan, result, now, self.kv, used)
         self.policy.on_step_result(plan, result, now)
         return StepOutputs(tokens, self.pop_finished())
 

@@ -179,9 +179,14 @@ class QueuePolicy(Policy):
     # ------------------------------------------------------------------ one step
     def schedule(self, step: StepBuilder, now: float) -> None:
         self.before_step(step, now)
-        self.fill_batch(step)
-        for req in [r for r in step.running.values() if not step.is_scheduled(r)]:
-            step.preempt(req, PreemptionMode.KEEP, PreemptionReason.PRIORITY)
+        if self.prefill_step(step):
+            # vLLM's engine: a prefill-only iteration; the running jobs sit this step out
+            # (they are not paused: nothing took their seat).
+            step.metadata["phase"] = "prefill"
+        else:
+            self.fill_batch(step, admit_waiting=self.hybrid_batches)
+            for req in [r for r in step.running.values() if not step.is_scheduled(r)]:
+                step.preempt(req, PreemptionMode.KEEP, PreemptionReason.PRIORITY)
         self.after_batch(step, now)
         # NOTE: dropped at once, so this step's thousands of (rank, job) pairs die young
         # instead of surviving into the collector's oldest generation: kept until the next
@@ -192,6 +197,56 @@ class QueuePolicy(Policy):
 
     def before_step(self, step: StepBuilder, now: float) -> None:
         """Level changes that do not depend on the batch (aging)."""
+
+    @property
+    def hybrid_batches(self) -> bool:
+        """Whether waiting jobs join the running ones in one batch (False: `prefill_step` admits them)."""
+        return True
+
+    def prefill_step(self, step: StepBuilder) -> bool:
+        """A policy on vLLM's engine admits prompts here, in a prefill-only iteration, and
+        answers True when it did; False (the default): one hybrid batch of every kind of job."""
+        return False
+
+    def admit_prefills(self, step: StepBuilder) -> int:
+        """vLLM's prefill pass with the queue in rank order: waiting heads are admitted
+        (whole prompts) while seats, tokens and KV allow; a head may evict only GPU holders
+        ranked below it. Returns how many were admitted."""
+        self.ranked = self.ranked_kv_jobs(step)
+        self.admitted = []
+        skipped: list[Request] = []
+        budget, queues = step.budget, self.queues
+        while budget.num_tokens < budget.max_tokens:
+            head = queues.peek()
+            if head is None:
+                break
+            head_rank = self.filed_rank(head)
+            if len(step.running) >= self.ctx.max_num_seqs and not self._pause_worse(step, head_rank):
+                break
+            queues.pop()
+            victims: Victims = deque(r for r in self.ranked if r.policy_state.rank > head_rank)
+            verdict = self._admit(step, head, victims)
+            if verdict and step.is_scheduled(head):
+                self.admitted.append(head)
+                continue
+            skipped.append(head)
+            if verdict is None or len(skipped) >= MAX_SKIPPED_WAITING or not budget.can_fit(1):
+                break
+        for req in skipped:
+            if req.status.is_waiting:
+                self.queues.push(req)
+        return len(self.admitted)  # NOTE: `ranked` and `admitted` stay for `after_batch`
+
+    def _pause_worse(self, step: StepBuilder, rank: Rank) -> bool:
+        """Iteration-level preemption on a full engine: the worst-ranked running job below
+        `rank` gives its seat (paused, KV kept). False when every running job ranks better."""
+        for req in reversed(self.ranked):
+            if req.policy_state.rank <= rank:
+                return False
+            if req.status.is_running and not step.is_scheduled(req):
+                step.preempt(req, PreemptionMode.KEEP, PreemptionReason.PRIORITY)
+                return True
+        return False
 
     def after_batch(self, step: StepBuilder, now: float) -> None:
         """Memory moves once the batch is fixed (ALISE's Algorithm 2)."""
@@ -216,15 +271,16 @@ class QueuePolicy(Policy):
         jobs.sort(key=_RANK)
         return jobs
 
-    def fill_batch(self, step: StepBuilder) -> None:
-        """Runs jobs in rank order (KV holders and waiting heads merged) while seats and
-        tokens last; lower-ranked GPU holders are the eviction victims (deque's right end)."""
+    def fill_batch(self, step: StepBuilder, admit_waiting: bool = True) -> None:
+        """Runs jobs in rank order (KV holders and waiting heads merged, unless not
+        `admit_waiting`) while seats and tokens last; lower-ranked GPU holders are the eviction
+        victims (deque's right end)."""
         self.ranked = self.ranked_kv_jobs(step)
         self.admitted = []
         kv_jobs: Victims = deque(self.ranked)
         skipped: list[Request] = []
         budget, queues = step.budget, self.queues
-        waiting_open = True
+        waiting_open = admit_waiting
         head: Request | None = None
         head_rank: Rank = (0, 0.0, 0)
         peeked = -1  # queues.changes when head was peeked

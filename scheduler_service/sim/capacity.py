@@ -53,9 +53,10 @@ def parse_rule(text: str) -> SLORule:
 
 @dataclass
 class CapacityResult:
-    capacity_req_s: float
+    capacity_req_s: float  # 0.0 with `below_floor`: the rule failed at every rate down to the floor
     probes: list[tuple[float, bool]]  # (rate, rule held)
     run_at_capacity: SimRun | None
+    below_floor: bool = False
 
 
 def find_capacity(
@@ -65,7 +66,11 @@ def find_capacity(
     start_rate: float = 1.0,
     rel_tol: float = 0.05,
     max_probes: int = 16,
+    floor: float = 0.0,
 ) -> CapacityResult:
+    """Doubling from `start_rate` while the rule holds, then bisection. A rule that fails at
+    `start_rate` is searched down to `floor` only (no halving forever): below it the result
+    is `below_floor`."""
     probes: list[tuple[float, bool]] = []
     best: SimRun | None = None
 
@@ -83,6 +88,8 @@ def find_capacity(
         lo, hi = hi, hi * 2
     while hi - lo > rel_tol * hi and len(probes) < max_probes:
         mid = (lo + hi) / 2
+        if lo == 0.0 and mid < floor:
+            return CapacityResult(0.0, probes, None, below_floor=True)
         if ok(mid):
             lo = mid
         else:

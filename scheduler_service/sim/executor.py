@@ -4,9 +4,11 @@ It keeps the same per-request state a real worker keeps (tokens computed, tokens
 generated), turns each plan into a BatchShape, prices it with the cost model, and
 "samples" a token for every request in `sample_ids`: the end-of-sequence token once the
 request reaches its true length from the trace, a filler token otherwise. Static-batching
-plans (`padded_len`, `invalid_tokens` in the metadata) are priced with their padding.
-KV swaps are priced over PCIe; int8 halves the bytes (ALISE), and `overlap_swap` hides
-them behind compute as an engine with a copy stream does. An optional CPU-overhead model
+plans (`padded_len`, `padded_context`, `invalid_tokens` in the metadata) are priced with their
+padding: prefill rows at the padded length, decode rows at the padded context.
+KV swaps are priced over PCIe, plus a cost per block moved and a stall per step that swaps
+(`swap_copy_overhead_s`, `swap_stall_s`); int8 halves the bytes (ALISE), and `overlap_swap`
+hides them behind compute as an engine with a copy stream does. An optional CPU-overhead model
 (a fixed cost per step plus one per scheduled sequence) adds what the serving stack spends
 outside the model, calibrated from a live run's step log.
 """
@@ -29,8 +31,11 @@ class SimulatedExecutor:
         truth: dict[str, int],
         overlap_swap: bool = False,
         overhead: tuple[float, float] = (0.0, 0.0),
+        swap_costs: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.cost_model = cost_model
+        # seconds per block moved beyond its bytes, and per step that swaps (see SimConfig)
+        self.swap_block_s, self.swap_stall_s = swap_costs
         self.step_overhead_s, self.seq_overhead_s = overhead
         self.bytes_per_block = bytes_per_block
         self.truth = truth  # request id -> true output length (shared with the simulator)
@@ -52,10 +57,13 @@ class SimulatedExecutor:
         shape = BatchShape()
         chunks = shape.prefill_chunks
         padded = plan.metadata.get("padded_len") if plan.metadata else None
+        # A static batch's live rows decode at the padded context, not their own (every row
+        # of a padded batch is as long as its longest input).
+        padded_ctx = int(plan.metadata.get("padded_context", 0)) if plan.metadata else 0
         for rid, n in plan.num_scheduled_tokens.items():
             ctx = computed[rid]
             if n == 1 and ctx > 0:
-                shape.add_decode(ctx + 1)
+                shape.add_decode(max(ctx + 1, padded_ctx))
             else:
                 chunks.append((padded, 0) if padded else (n, ctx))
             computed[rid] = ctx + n
@@ -63,8 +71,10 @@ class SimulatedExecutor:
             shape.num_decodes += int(plan.metadata["invalid_tokens"])
             shape.decode_context_sum += int(plan.metadata.get("invalid_context_sum", 0))
         compute_s = self.cost_model.iteration_time(shape) if shape.num_seqs else 0.0
-        swap_bytes = self._swap_bytes(plan)
+        swap_bytes, swap_blocks = self._swap_bytes(plan)
         swap_s = self.cost_model.swap_time(swap_bytes)
+        if swap_blocks:
+            swap_s += swap_blocks * self.swap_block_s + self.swap_stall_s
         total = max(compute_s, swap_s) if self.overlap_swap else compute_s + swap_s
         if shape.num_seqs:
             total += self.step_overhead_s + self.seq_overhead_s * len(plan.num_scheduled_tokens)
@@ -86,14 +96,16 @@ class SimulatedExecutor:
             out[rid] = SIM_EOS if n >= truth[rid] else SIM_TOKEN
         return out
 
-    def _swap_bytes(self, plan: StepPlan) -> int:
-        total = 0
+    def _swap_bytes(self, plan: StepPlan) -> tuple[int, int]:
+        """(bytes, blocks) the plan's swaps move."""
+        total = blocks = 0
         for move in plan.kv_moves:
             if move.kind is KVMoveKind.COPY:
                 continue
             nbytes = move.num_blocks * self.bytes_per_block
             total += nbytes // 2 if move.int8 else nbytes
-        return total
+            blocks += move.num_blocks
+        return total, blocks
 
     def _error(self, plan: StepPlan, rid: str) -> StepResult:
         error = StepError("INVALID_ARGUMENT", f"num_scheduled_tokens: unknown request {rid!r}", rid)

@@ -35,6 +35,7 @@ _COLUMNS = (
     ("SLO req", lambda r: r.metrics["slo_attainment_req"], "{:.1%}"),
     ("util", lambda r: r.metrics["compute_util_mean"], "{:.2f}"),
     ("KV", lambda r: r.metrics["kv_util_mean"], "{:.2f}"),
+    ("KV used", lambda r: r.metrics["kv_used_mean"], "{:.2f}"),
     ("preempt", lambda r: r.metrics["preemptions"], "{}"),
     ("sched ms p99", lambda r: r.metrics["sched_overhead_ms"]["p99"], "{:.3f}"),
 )

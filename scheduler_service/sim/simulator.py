@@ -75,6 +75,11 @@ class SimConfig:
     step_overhead_s: float = opt(0.0, "serving-stack CPU time per step outside the model")
     seq_overhead_s: float = opt(0.0, "serving-stack CPU time per scheduled sequence")
     int8_swap: bool = opt(False, "int8-compress swapped KV (halves swap bytes)")
+    # What a swap costs beyond bytes / PCIe bandwidth (vLLM v0): each block is copied per layer,
+    # keys and values apart (2 x layers cudaMemcpyAsync calls per block), and the step that
+    # swaps waits for the copies before its forward pass.
+    swap_copy_overhead_s: float = opt(0.0, "seconds per KV copy call of a swap (2 x layers calls per block)")
+    swap_stall_s: float = opt(0.0, "seconds a step that swaps stalls beyond its copies")
     prefix_caching: bool = opt(True, "automatic prefix caching: reuse the KV of full blocks a request shares")
     # Disaggregated prefill and decode (cluster/disagg.py): prefill-only and decode-only pools.
     prefill_workers: int = opt(
@@ -100,7 +105,15 @@ class SimConfig:
         at_least(self, "max_model_len", 2, "a prompt token and an output token")
         at_least(self, "max_tokens", 1)
         at_least(self, "max_waiting", 1)
-        for name in ("swap_space_gb", "length_error", "step_overhead_s", "seq_overhead_s", "prefill_workers"):
+        for name in (
+            "swap_space_gb",
+            "length_error",
+            "step_overhead_s",
+            "seq_overhead_s",
+            "swap_copy_overhead_s",
+            "swap_stall_s",
+            "prefill_workers",
+        ):
             at_least(self, name, 0)
         at_least(self, "decode_workers", 0)
         if (self.prefill_workers > 0) != (self.decode_workers > 0):
@@ -184,6 +197,7 @@ class Simulation:
                 self.truth,
                 config.overlap_swap,
                 overhead=(config.step_overhead_s, config.seq_overhead_s),
+                swap_costs=(config.swap_copy_overhead_s * 2 * cost_model.model.num_layers, config.swap_stall_s),
             )
             for w in self.cluster.schedulers
         }

@@ -115,3 +115,27 @@ def test_cpu_overhead_model_adds_its_cost_to_every_step(cost_model: CostModel) -
     assert slow.details["num_steps"] == steps  # one request: the same steps, each 3 ms dearer
     extra = slow.metrics["jct_s"]["p50"] - base.metrics["jct_s"]["p50"]
     assert abs(extra - steps * 0.003) < 1e-6
+
+
+def test_swap_costs_add_a_per_block_copy_cost_and_a_stall_to_each_swapping_step(cost_model: CostModel) -> None:
+    from scheduler_service.sim.executor import SimulatedExecutor
+    from sluice.contract.plan import CachedRequestData, KVMove, KVMoveKind, StepPlan
+
+    layers = cost_model.model.num_layers
+    plain = SimulatedExecutor(cost_model, 1 << 20, {})
+    dear = SimulatedExecutor(cost_model, 1 << 20, {}, swap_costs=(2 * layers * 5e-6, 1e-3))
+    move = KVMove(KVMoveKind.SWAP_OUT, "r", tuple(range(10)), tuple(range(10)))
+    plan = StepPlan(1, 0, (), CachedRequestData(), {}, frozenset(), kv_moves=(move,))
+    base, extra = plain.execute(plan).swap_s, dear.execute(plan).swap_s
+    assert base == pytest.approx(cost_model.swap_time(10 << 20))
+    assert extra - base == pytest.approx(10 * 2 * layers * 5e-6 + 1e-3)
+    # the simulator turns the per-copy knob into the per-block cost (2 x layers copies a block)
+    one = apply_arrivals(load_trace("sharegpt", num_requests=40), "poisson", rate=50.0, seed=0)
+    cheap = simulate(SimConfig(policy="vllm:preemption_mode=swap", kv_gb=2.0), one, cost_model)
+    costly = simulate(
+        SimConfig(policy="vllm:preemption_mode=swap", kv_gb=2.0, swap_copy_overhead_s=5e-6, swap_stall_s=1e-3),
+        one,
+        cost_model,
+    )
+    assert cheap.details["swap_bytes"] > 0
+    assert costly.metrics["jct_s"]["mean"] > cheap.metrics["jct_s"]["mean"]

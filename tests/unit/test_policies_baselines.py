@@ -153,6 +153,27 @@ def test_vllm_chunked_mixes_decodes_and_chunks_under_its_fixed_budget() -> None:
     sched.assert_empty()
 
 
+# ---------------------------------------------------------------- fastgen (SCLS's ILS baseline)
+def test_fastgen_caps_the_sequences_in_flight_below_the_engine_limit() -> None:
+    sched = make_scheduler("fastgen:max_seqs=2,budget=64", num_gpu_blocks=64, block_size=4, max_num_seqs=16)
+    for rid in "abcd":
+        sched.add_request(make_request(rid, 4, 3), 0.0)
+    plans = run_to_completion(sched)
+    assert set(plans[0].num_scheduled_tokens) == {"a", "b"}  # room for all four, the cap admits two
+    assert all(len(p.num_scheduled_tokens) <= 2 for p in plans)
+    assert {"c", "d"} <= {rid for p in plans for rid in p.num_scheduled_tokens}
+    sched.assert_empty()
+
+
+def test_fastgen_splits_a_prompt_to_its_token_budget_beside_the_decodes() -> None:
+    sched = make_scheduler("fastgen:max_seqs=4,budget=12", num_gpu_blocks=64, block_size=4)
+    sched.add_request(make_request("a", 4, 6), 0.0)
+    sched.add_request(make_request("b", 30, 2), 0.0)
+    plans = run_to_completion(sched)
+    assert plans[1].num_scheduled_tokens == {"a": 1, "b": 11}  # Dynamic SplitFuse
+    sched.assert_empty()
+
+
 # ---------------------------------------------------------------- orca
 def test_orca_reserves_prompt_plus_max_tokens_at_admission() -> None:
     sched = make_scheduler("orca", num_gpu_blocks=64, block_size=4)

@@ -256,3 +256,62 @@ def test_every_ablation_serves_a_mixed_workload_to_the_end() -> None:
             slo = SLOSpec(jct_s=5.0) if i % 4 == 3 else ttft(0.05 + 0.02 * i, tbt=0.1 + 0.01 * i)
             sched.add_request(make_request(f"r{i}", 4 + 7 * i % 50, 3 + i % 5, slo=slo, arrival=0.01 * i), 0.01 * i)
         finish(sched)
+
+
+# ---------------------------------------------------------------- paper-faithful defaults
+def test_t_max_is_the_largest_step_time_over_the_recent_window() -> None:
+    recent = RemainingTime(0.2, 64, 1.0, 0.1875, t_max_window=2)
+    all_time = RemainingTime(0.2, 64, 1.0, 0.1875, t_max_window=0)
+    assert recent.t_max_s == 0.2  # the prior until a step is seen
+    for seconds in (0.5, 0.1, 0.1):
+        recent.observe_step(seconds, [], 1)
+        all_time.observe_step(seconds, [], 1)
+    assert recent.t_max_s == 0.1  # the 0.5 s step left the window
+    assert all_time.t_max_s == 0.5
+
+
+def test_a_late_waiting_request_stays_first_in_deadline_order_by_default() -> None:
+    """The paper orders by T_r alone; demoting a request past its SLO is ours."""
+    for demote, first in (("false", "late"), ("true", "fresh")):
+        sched = make_scheduler(spec(demote_missed=demote), max_num_batched_tokens=64)
+        sched.add_request(make_request("late", 40, 2, slo=ttft(0.05)), 0.0)
+        sched.add_request(make_request("fresh", 40, 2, slo=ttft(0.5), arrival=1.0), 1.0)
+        plan, _ = step(sched, 1.0)
+        assert list(plan.num_scheduled_tokens) == [first]  # S_b = 32 (SLO_min 0.05 s): one chunk
+        finish(sched)
+
+
+def test_per_chunk_allocation_gives_a_first_chunk_only_its_own_blocks() -> None:
+    sched = make_scheduler(spec(), max_num_batched_tokens=1024)
+    sched.add_request(make_request("long", 100, 2, slo=ttft(0.06)), 0.0)  # S_b = 38
+    plan, _ = step(sched, 0.0)
+    assert plan.num_scheduled_tokens == {"long": 38}
+    assert len(sched.kv.gpu_tables["long"]) == 10  # ceil(38 / 4), not the prompt's 25 blocks
+    finish(sched)
+
+
+def test_per_chunk_admission_counts_the_rest_of_started_prompts() -> None:
+    """20 blocks; `a` (60 tokens, 15 blocks) starts and leaves 5 free. `b`'s first 4-token chunk
+    would fit, but its whole prompt (10 blocks) could never be finished: admitting it is how
+    per-chunk allocation livelocked (each later chunk preempted another half-done prompt)."""
+    sched = make_scheduler(spec(batch="false"), num_gpu_blocks=20, max_num_batched_tokens=64)
+    sched.add_request(make_request("a", 60, 2, slo=ttft(0.5)), 0.0)
+    sched.add_request(make_request("b", 40, 2, slo=ttft(1.0)), 0.0)
+    plan, _ = step(sched, 0.0)
+    assert plan.num_scheduled_tokens == {"a": 60}
+    assert sched.requests["b"].status is RequestStatus.WAITING
+    plans = run_to_completion(sched)
+    assert sum(r.num_preemptions for r in (sched.requests.get("a"), sched.requests.get("b")) if r) == 0
+    assert plans
+
+
+def test_per_chunk_allocation_does_not_livelock_under_kv_pressure() -> None:
+    """Many prompts larger than a step's budget over a small cache: every request finishes
+    with few preemptions (before the admission rule: one or more per request, forever)."""
+    sched = make_scheduler(spec(), num_gpu_blocks=40, max_num_batched_tokens=48, max_num_seqs=16)
+    for i in range(16):
+        sched.add_request(make_request(f"r{i}", 60 + 5 * (i % 4), 4 + i % 3, slo=ttft(0.3, tbt=0.2)), 0.0)
+    requests = list(sched.requests.values())
+    run_to_completion(sched, max_steps=2_000)
+    sched.assert_empty()
+    assert sum(r.num_preemptions for r in requests) <= len(requests) // 2

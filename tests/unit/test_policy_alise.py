@@ -234,3 +234,30 @@ def test_exec_time_model_fit_recovers_linear_latencies_by_least_squares() -> Non
     assert math.isclose(model.alpha, 1e-6, rel_tol=1e-6)
     assert math.isclose(model.beta, 0.015, rel_tol=1e-6)
     assert math.isclose(model.decode(100, 10), 10 * (1e-4 + 0.015))
+
+
+# ---------------------------------------------------------------- vLLM's engine (the paper's)
+def test_alise_admits_new_jobs_in_a_prefill_only_step_as_vllm_does() -> None:
+    sched = make_scheduler("alise")
+    long = predicted("long", 8, 20)
+    sched.add_request(long, 0.0)
+    step(sched, 0.0)
+    sched.add_request(predicted("new", 8, 5), 0.01)
+    plan, _ = step(sched, 0.02)
+    assert list(plan.num_scheduled_tokens) == ["new"] and plan.metadata["phase"] == "prefill"
+    assert long.status is RequestStatus.DECODING and long.num_preemptions == 0  # it sat out, not paused
+    plan, _ = step(sched, 0.03)
+    assert set(plan.num_scheduled_tokens) == {"long", "new"}  # then both decode
+    run_to_completion(sched)
+    sched.assert_empty()
+
+
+def test_alise_hybrid_option_mixes_the_new_prompt_into_the_decode_batch() -> None:
+    sched = make_scheduler("alise:hybrid=true")
+    sched.add_request(predicted("long", 8, 20), 0.0)
+    step(sched, 0.0)
+    sched.add_request(predicted("new", 8, 5), 0.01)
+    plan, _ = step(sched, 0.02)
+    assert plan.num_scheduled_tokens == {"new": 8, "long": 1}
+    run_to_completion(sched)
+    sched.assert_empty()

@@ -17,8 +17,9 @@ from scheduler_service.sim.slo_profiles import apply_slo_profile
 from scheduler_service.sim.workloads import apply_arrivals, load_trace
 from sluice.contract.plan import KVMoveKind
 
-# Figure 7 in tokens: block_size 1, no padding, buffer or reserve, so 1 block = 1 token.
-PIPE = "econoserve:padding=0,buffer=0,reserve=0,admit_future=0,group_tokens=1,tfs=64"
+# Figure 7 in tokens: block_size 1, no padding, buffer or reserve, so 1 block = 1 token; with
+# no reserve, prompts take any free KV (`pt_reserve_only=false`) so both start in one step.
+PIPE = "econoserve:padding=0,buffer=0,reserve=0,pt_reserve_only=false,admit_future=0,group_tokens=1,tfs=64"
 
 
 def predicted(rid: str, prompt: int, output: int, prediction: int, **kw: object) -> Request:
@@ -110,7 +111,7 @@ def test_hosted_gt_that_outlives_its_slot_is_swapped_out_never_overwritten() -> 
 
 # ---------------------------------------------------------------- decoupling and time-synced batching
 def test_pt_selection_reaches_tfs_with_the_closest_prompt_found_by_binary_search() -> None:
-    sched = make_scheduler("econoserve:variant=SD,tfs=20", num_gpu_blocks=64)
+    sched = make_scheduler("econoserve:variant=SD,tfs=20,reserve=0.5", num_gpu_blocks=64)
     add(sched, *(make_request(rid, n, 3) for rid, n in [("a", 12), ("b", 10), ("c", 7), ("d", 8)]))
     plan, _ = step(sched, 0.0)
     assert plan.num_scheduled_tokens == {"a": 12, "d": 8}  # b (10) overshoots; d is closest to 8
@@ -120,7 +121,7 @@ def test_pt_selection_reaches_tfs_with_the_closest_prompt_found_by_binary_search
 
 
 def test_without_time_synced_batching_the_head_prompt_is_chunked_to_reach_tfs() -> None:
-    sched = make_scheduler("econoserve:variant=D,tfs=20", num_gpu_blocks=64)
+    sched = make_scheduler("econoserve:variant=D,tfs=20,reserve=0.5", num_gpu_blocks=64)
     add(sched, *(make_request(rid, n, 3) for rid, n in [("a", 12), ("b", 10), ("c", 7), ("d", 8)]))
     plan, _ = step(sched, 0.0)
     assert plan.num_scheduled_tokens == {"a": 12, "b": 8}
@@ -154,7 +155,7 @@ def test_exact_allocation_gives_a_pt_its_prompt_and_a_gt_its_padded_prediction()
 def test_a_group_starts_and_ends_together_and_the_group_that_does_not_fit_is_split() -> None:
     # Three GTs of RL 8 (one group); KV for the prompts and two allocations only.
     sched = make_scheduler(
-        "econoserve:variant=SDO,padding=0,reserve=0,admit_future=0,group_tokens=1",
+        "econoserve:variant=SDO,padding=0,reserve=0,pt_reserve_only=false,group_tokens=1",
         num_gpu_blocks=7,
         block_size=4,
     )
@@ -175,9 +176,7 @@ def test_a_group_starts_and_ends_together_and_the_group_that_does_not_fit_is_spl
 
 def test_a_mispredicted_gt_uses_the_reserve_before_it_is_stopped_and_kept_on_the_gpu() -> None:
     # x: 3 blocks (prompt 4 + 8 predicted), y: 11 blocks, 2 reserve blocks; nothing else free.
-    sched = make_scheduler(
-        "econoserve:variant=SDO,padding=0,reserve=0.125,admit_future=0", num_gpu_blocks=16, block_size=4
-    )
+    sched = make_scheduler("econoserve:variant=SDO,padding=0,reserve=0.125", num_gpu_blocks=16, block_size=4)
     x, y = predicted("x", 4, 30, 8), predicted("y", 4, 40, 40)
     add(sched, x, y)
     t = 0.0
@@ -213,7 +212,7 @@ def test_queues_order_by_deadline_then_occupied_kv_then_length_each_bucketed() -
 
 
 def test_ordering_puts_a_gt_holding_more_kv_first_in_the_gt_queue() -> None:
-    sched = make_scheduler("econoserve:variant=SDO,kv_bucket_tokens=8", num_gpu_blocks=64, block_size=4)
+    sched = make_scheduler("econoserve:variant=SDO,kv_bucket_tokens=8,reserve=0.25", num_gpu_blocks=64, block_size=4)
     small, big = predicted("small", 4, 3, 3), predicted("big", 16, 3, 3)
     add(sched, small, big)
     step(sched, 0.0)  # both prompts; both GTs queue with their prompt KV
@@ -249,3 +248,43 @@ def test_noisy_predictions_run_every_request_to_the_end_without_leaking_kv(varia
     assert policy.stats_report()["requests_under_provisioned"] > 0  # the misprediction path ran
     assert policy.tfs == 816  # the cost model's pivot forward size
     sim.kv.assert_empty()
+
+
+# ---------------------------------------------------------------- paper-faithful defaults
+def test_prompts_are_admitted_only_into_the_reserved_kv() -> None:
+    """3.3.1: "a small amount of KVC is reserved for PTs". 4 reserve blocks hold two 8-token
+    prompts; the third waits although 60 blocks are free. `pt_reserve_only=false` (ours) lets
+    prompts take any free KV."""
+    for reserve_only, admitted in (("true", {"a", "b"}), ("false", {"a", "b", "c"})):
+        sched = make_scheduler(
+            f"econoserve:variant=SD,reserve=0.0625,tfs=64,pt_reserve_only={reserve_only}",
+            num_gpu_blocks=64,
+            block_size=4,
+        )
+        add(sched, *(make_request(rid, 8, 3) for rid in "abc"))
+        plan, _ = step(sched, 0.0)
+        assert set(plan.num_scheduled_tokens) == admitted
+        run_to_completion(sched)
+        sched.assert_empty()
+
+
+@pytest.mark.parametrize(("variant", "joins_at_once"), [("SD", False), ("D", True)])
+def test_time_synced_groups_start_new_gts_only_when_a_group_completes(variant: str, joins_at_once: bool) -> None:
+    """3.3.2: a GT made while a group runs waits for a group to complete (SD); without
+    time-synced batching (D) it starts at once."""
+    sched = make_scheduler(
+        f"econoserve:variant={variant},padding=0,reserve=0.5,group_tokens=1", num_gpu_blocks=64, block_size=4
+    )
+    a, b = predicted("a", 4, 20, 20), predicted("b", 4, 3, 3)
+    add(sched, a)
+    step(sched, 0.0)  # a's prompt
+    step(sched, 0.1)  # a's group starts
+    sched.add_request(b, 0.15)
+    plan, _ = step(sched, 0.2)  # b's prompt beside a's decode
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 4}
+    plan, _ = step(sched, 0.3)  # b is a GT now
+    assert ("b" in plan.num_scheduled_tokens) is joins_at_once
+    run_to_completion(sched)
+    assert b.finish_time is not None and a.finish_time is not None
+    assert (b.finish_time < a.finish_time) is joins_at_once
+    sched.assert_empty()

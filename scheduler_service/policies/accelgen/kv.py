@@ -32,9 +32,30 @@ def kv_fit(kv: KVCacheManager, req: Request, share: float) -> int:
     return kv.capacity(req.request_id) + free * kv.block_size - req.num_computed_tokens
 
 
-def fits_with_watermark(kv: KVCacheManager, req: Request, cover: int, share: float) -> bool:
+def fits_with_watermark(kv: KVCacheManager, req: Request, cover: int, share: float, committed: int = 0) -> bool:
+    """Its new blocks for `cover` tokens fit above the watermark, `committed` blocks aside."""
     need = kv.num_new_blocks(req.request_id, cover)
-    return need <= kv.gpu.num_available() - watermark_blocks(kv, share)
+    return need + committed <= kv.gpu.num_available() - watermark_blocks(kv, share)
+
+
+def prompt_rest_blocks(kv: KVCacheManager, running: dict[str, Request], req: Request | None = None) -> int:
+    """Blocks the running prompts (and `req`, about to start) still need to finish their
+    prefill under per-chunk allocation.
+
+    Why: with blocks taken chunk by chunk, an admission test on the first chunk alone lets in
+    more prompts than the KV can finish; each later chunk then needs a block none is free for,
+    preempts another half-done prompt (recompute: its chunks are lost), which is re-admitted
+    the next step on its first chunk again: a livelock (throughput fell ~40%, four preemptions
+    per request). Counting the rest of every started prompt as committed at admission keeps
+    the allocation per chunk (D_m of Algorithm 2) while never admitting a prompt that cannot
+    be finished."""
+    rest = 0
+    for other in running.values():
+        if other.is_prefill:
+            rest += max(0, kv.num_blocks_for(other.prefill_len) - len(kv.gpu_tables.get(other.request_id, ())))
+    if req is not None and req.request_id not in running:
+        rest += kv.num_blocks_for(req.prefill_len)
+    return rest
 
 
 def kv_victim(step: StepBuilder, req: Request, by_deadline: bool) -> Request | None:

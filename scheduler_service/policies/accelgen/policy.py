@@ -24,8 +24,15 @@ What it does, each iteration (`schedule`):
    budget is cut to min(fill the budget, fill the free KV), and the candidate nearest to
    the free (compute, KV) point is added until none fits (`accelgen_select`; KV arithmetic in `accelgen_kv`). Off: the
    ordered queue fills the budget greedily.
+T_max (section 4.3) is the largest step time over the last `t_max_window` steps (0: the
+all-time maximum, which one long prefill fixes for the whole run, so every decode stays
+"urgent" and Algorithm 2 never runs).
+KV allocation (Algorithm 2's D_m): per chunk, as the paper describes; a new prompt is admitted
+only when the free KV also covers the rest of every prompt already started (its own too), so
+started prompts can finish (`accelgen_kv.prompt_rest_blocks`: without it, per-chunk allocation
+livelocks). `allocate_whole_prompt` (ours) allocates the whole prompt at its first chunk.
 Late requests: a waiting request that has already waited longer than its SLO cannot meet
-it any more; with `demote_missed` (our addition) it stops being urgent and is served by
+it any more; with `demote_missed` (ours, off by default) it stops being urgent and is served by
 Algorithm 2 after the requests that can still be saved, instead of starving every running
 decode under overload (earliest-deadline-first's domino effect).
 KV pressure: as in the paper's implementation (section 5, "we directly use vLLM to handle
@@ -40,7 +47,7 @@ stops where the step's predicted time (the cost model, the chunk's attention ove
 included) would pass SLO_min, as `sarathi` does.
 Configuration: chunk, order, batch, era, price_in_time, long_prompt_tokens, gamma_s, default_ttft_s,
 default_tbt_s, min_budget, fixed_budget, pivot_tokens, pivot_s, watermark, max_candidates,
-max_scan, watermark, allocate_whole_prompt, demote_missed, preemption_mode.
+max_scan, allocate_whole_prompt, demote_missed, t_max_window, preemption_mode.
 """
 
 from __future__ import annotations
@@ -52,7 +59,13 @@ from scheduler_service.core.preemption import PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.costmodel.pivot import pivot_forward_size
-from scheduler_service.policies.accelgen.kv import cover_tokens, fits_with_watermark, kv_fit, kv_victim
+from scheduler_service.policies.accelgen.kv import (
+    cover_tokens,
+    fits_with_watermark,
+    kv_fit,
+    kv_victim,
+    prompt_rest_blocks,
+)
 from scheduler_service.policies.accelgen.queue import (
     AccelGenState,
     DeadlineIndex,
@@ -86,9 +99,10 @@ class AccelGenConfig(PolicyConfig):
     max_candidates: int = 256  # candidates per Algorithm 2 window
     max_scan: int = 2048  # queue entries one step may look at
     watermark: float = 0.01  # share of GPU blocks new admissions leave free (vLLM's watermark)
-    allocate_whole_prompt: bool = True  # blocks for the whole prompt at its first chunk (vLLM)
+    allocate_whole_prompt: bool = False  # ours: blocks for the whole prompt at its first chunk (vLLM's way)
     price_in_time: bool = True  # a prompt chunk also stops where the step's predicted time passes SLO_min
-    demote_missed: bool = True  # a waiting request past its SLO is no longer urgent (not in the paper)
+    demote_missed: bool = False  # ours: a waiting request past its SLO is no longer urgent (not in the paper)
+    t_max_window: int = 128  # T_max = largest step time over this many recent steps (0: all-time maximum)
 
 
 @dataclass(slots=True)
@@ -115,12 +129,15 @@ class AccelGenPolicy(Policy):
     def __init__(self, config: AccelGenConfig, ctx: PolicyContext) -> None:
         super().__init__(config, ctx)
         self.pivot_tokens, self.pivot_s = self._pivot()
-        self.rt = RemainingTime(self.pivot_s, self.pivot_tokens, config.default_ttft_s, config.default_tbt_s)
+        self.rt = RemainingTime(
+            self.pivot_s, self.pivot_tokens, config.default_ttft_s, config.default_tbt_s, config.t_max_window
+        )
         self.index = DeadlineIndex()
         self.long_active: set[str] = set()
         self._batch: list[Request] = []
         self._chunks: list[int] = []
         self._mode = preemption_mode(config)
+        self.num_alg2_placements = 0  # requests Algorithm 2's Euclidean rule added (reports)
 
     def _pivot(self) -> tuple[int, float]:
         c = self.config
@@ -316,7 +333,11 @@ class AccelGenPolicy(Policy):
             if n <= 0:
                 return False
         cover = cover_tokens(req, n, self.config.allocate_whole_prompt)
-        if waiting and not fits_with_watermark(step.kv, req, cover, self.config.watermark):
+        committed = 0
+        if waiting and req.is_prefill and not self.config.allocate_whole_prompt:
+            # the rest of every started prompt, this one's included, beyond this chunk's blocks
+            committed = prompt_rest_blocks(step.kv, step.running, req) - step.kv.num_new_blocks(req.request_id, cover)
+        if waiting and not fits_with_watermark(step.kv, req, cover, self.config.watermark, committed):
             self._miss(r)
             return False
         while not step.schedule(req, n, cover=cover):
@@ -427,6 +448,7 @@ class AccelGenPolicy(Policy):
             req = pick.request
             if self._admissible(r, req) and self._schedule(r, req, min(pick.tokens, a_c)):
                 picked += 1
+                self.num_alg2_placements += 1
             else:
                 r.deferred.append(pick.entry)
         return picked

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from scheduler_service.core.request import Request, RequestStatus
@@ -57,12 +58,54 @@ class AccelGenState:
     preempted_at: float | None = None
 
 
-class RemainingTime:
-    """T_r and its inputs: T_max (largest batch time seen), L_c (average chunk length),
-    P_max (longest preemption seen) and P (preemptions per generated token)."""
+class WindowMax:
+    """The largest of the last `window` observations (0: of all of them), a monotonic deque:
+    O(1) amortized per observation."""
 
-    def __init__(self, t_max_prior_s: float, chunk_prior: int, default_ttft_s: float, default_tbt_s: float) -> None:
-        self.t_max_s = t_max_prior_s
+    def __init__(self, prior: float, window: int) -> None:
+        self.window = window
+        self._all_time = prior
+        self._count = 0
+        self._deque: deque[tuple[int, float]] = deque()  # (index, value), values decreasing
+        self._prior = prior
+
+    def observe(self, value: float) -> None:
+        self._count += 1
+        self._all_time = max(self._all_time, value)
+        if not self.window:
+            return
+        while self._deque and self._deque[-1][1] <= value:
+            self._deque.pop()
+        self._deque.append((self._count, value))
+        while self._deque[0][0] <= self._count - self.window:
+            self._deque.popleft()
+
+    @property
+    def value(self) -> float:
+        if not self.window:
+            return self._all_time
+        return self._deque[0][1] if self._deque else self._prior
+
+
+class RemainingTime:
+    """T_r and its inputs: T_max (largest batch time over the last `t_max_window` steps; 0:
+    seen so far), L_c (average chunk length), P_max (longest preemption seen) and P
+    (preemptions per generated token).
+
+    Why a window: the all-time maximum is set once by the largest prefill of the run (a 4K
+    chunk's iteration) and then makes every decode "urgent" (T_r = TBT - T_max <= T_max) for
+    the rest of the run, so Algorithm 2 never runs. The paper's T_max estimates the time of
+    the iterations a request will wait through; the recent maximum is that estimate."""
+
+    def __init__(
+        self,
+        t_max_prior_s: float,
+        chunk_prior: int,
+        default_ttft_s: float,
+        default_tbt_s: float,
+        t_max_window: int = 0,
+    ) -> None:
+        self._t_max = WindowMax(t_max_prior_s, t_max_window)
         self.default_ttft_s = default_ttft_s
         self.default_tbt_s = default_tbt_s
         self._chunk_sum = float(chunk_prior)
@@ -72,8 +115,12 @@ class RemainingTime:
         self._tokens = 0
 
     # ------------------------------------------------------------------ observations
+    @property
+    def t_max_s(self) -> float:
+        return self._t_max.value
+
     def observe_step(self, total_s: float, chunk_sizes: list[int], num_tokens: int) -> None:
-        self.t_max_s = max(self.t_max_s, total_s)
+        self._t_max.observe(total_s)
         for n in chunk_sizes:
             self._chunk_sum += n
             self._chunk_count += 1

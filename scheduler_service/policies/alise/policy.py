@@ -22,6 +22,11 @@ What it does:
   ranked ahead of J, T_promote(J))`; per queue in priority order, by ascending EWT, paused jobs
   are kept on the GPU (or swapped in ahead of time) while under the GPU job limit M, the others
   are swapped out; M shrinks by each queue's size. Swapped KV is int8 (`int8`: half the bytes).
+- Engine (its "execution engine is based on vLLM", section 4): a step that can admit waiting
+  jobs (in rank order, whole prompts; on a full engine a job takes the seat of a worse-ranked
+  running one, which is paused; evicting only lower-ranked jobs' KV) is prefill-only, as in
+  `vllm`; otherwise the KV holders run in rank order. `hybrid` (ours) mixes admissions and decodes in one batch, which
+  is chunked-prefill-style batching the `vllm` baseline does not have.
 - Memory managers (Figure 8): `memory=swap` (the above), `memory=recompute` (evicted jobs drop
   their KV, no proactive swapping), `memory=defer` (no eviction for new jobs: they wait).
 
@@ -64,6 +69,7 @@ class AliseConfig(QueuePolicyConfig):
     t0: float | None = None  # prefill seconds per prompt token; None: fitted
     alpha: float | None = None  # decode seconds per token per context token; None: fitted
     beta: float | None = None  # decode seconds per token at zero context; None: fitted
+    hybrid: bool = False  # ours: prompts join the decodes in one batch; off: vLLM's engine (prefill-only steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +218,13 @@ class AlisePolicy(QueuePolicy):
         else:
             self.refresh_ranks((req,))  # a paused KV holder is sorted by its cached rank
 
+    @property
+    def hybrid_batches(self) -> bool:
+        return self.config.hybrid
+
+    def prefill_step(self, step: StepBuilder) -> bool:
+        return not self.config.hybrid and self.admit_prefills(step) > 0
+
     # ------------------------------------------------------------------ Algorithm 2
     def after_batch(self, step: StepBuilder, now: float) -> None:
         if self.memory is not MemoryMode.SWAP or not (step.kept or step.swapped):
@@ -219,15 +232,17 @@ class AlisePolicy(QueuePolicy):
         kept, swapped, scheduled = step.kept, step.swapped, step.scheduled
         by_level: dict[int, list[tuple[Rank, Request]]] = {}
         ahead = 0.0
+        idle = 0  # running jobs sitting out a prefill-only step (they keep their seat)
         for req in self.ranked:  # already in rank order
             rank = req.policy_state.rank
             rid = req.request_id
             if rid in kept or rid in swapped:
                 by_level.setdefault(rank[0], []).append((rank, req))
-            elif rid in scheduled:
+            elif rid in scheduled or req.status.is_running:
                 ahead += rank[1]
+                idle += rid not in scheduled
         ahead += sum(r.policy_state.key for r in self.admitted)  # their key is their remaining time
-        slots = self._job_limit(step, len(scheduled) + len(kept)) - len(scheduled)
+        slots = self._job_limit(step, len(scheduled) + len(kept) + idle) - len(scheduled) - idle
         for level in range(self.num_levels):
             if level:
                 ahead += self.queues.sums[level - 1]

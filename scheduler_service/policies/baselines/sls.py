@@ -70,6 +70,7 @@ class SLSPolicy(Policy):
         batch.iteration += 1
         for req in live:
             step.schedule(req, req.num_tokens_to_compute)
+        step.metadata["padded_context"] = batch.padded_len + batch.iteration  # live rows decode padded too
         invalid = len(batch.members) - len(live)
         if invalid:
             # Finished members still occupy their row, at the padded context length.

@@ -71,6 +71,10 @@ class ChunkedPrefillPolicy(Policy):
     def token_budget(self, now: float) -> int:
         return self.budget
 
+    def seat_limit(self) -> int:
+        """Running sequences at most (FastGen caps them below the engine's max_num_seqs)."""
+        return self.ctx.max_num_seqs
+
     def schedule(self, step: StepBuilder, now: float) -> None:
         mode = preemption_mode(self.config)
         running = victim_order(list(step.running.values()), self.config.priority)
@@ -84,7 +88,7 @@ class ChunkedPrefillPolicy(Policy):
             if n > 0:
                 schedule_with_preemption(step, req, n, queue, mode)
         if not step.num_preempted:
-            swap_in_fcfs(step, self.ctx.max_num_seqs)
+            swap_in_fcfs(step, self.seat_limit())
         if not step.swapped:
             self._admit_new(step)
 
@@ -92,7 +96,7 @@ class ChunkedPrefillPolicy(Policy):
         mode = preemption_mode(self.config)
         for req in waiting_order(step, self.config.priority):
             left = step.budget.remaining_tokens
-            if left <= 0 or len(step.running) >= self.ctx.max_num_seqs:
+            if left <= 0 or len(step.running) >= self.seat_limit():
                 break
             cover = self._cover(req)
             fits = admission_fits(step, req, cover, self.config.watermark)

@@ -13,13 +13,16 @@ What it does, each iteration (variant `full`; D, SD, SDO drop components):
    under-predicted GTs (`BlockPool.set_reserve`); GT groups never take it.
 2. Time-synced batching (3.3.2). Running GTs decode one token each. GTs with the same
    predicted remaining length (rounded up to `group_tokens`) form a group and start together,
-   so they end together. When a group completes (or new GTs are queued, or none runs),
-   whole groups are taken from the GT queue until the free KV is allocated; the group that
-   does not fit is split. Then PTs are taken until the prompt tokens reach TFS: the head of the
+   so they end together. When a group completes (or none runs), whole groups are taken from
+   the GT queue until the free KV is allocated; the group that does not fit is split; a GT
+   made meanwhile waits for that (without `sync`, variant D, groups are refilled every step).
+   Then PTs are taken until the prompt tokens reach TFS: the head of the
    PT queue if it fits, else the PT whose length is closest to the remaining need (binary
-   search on the length index), else a chunk of the head. A PT is admitted only while the
-   free KV still covers its prompt, its own predicted output and the demand of the queued
-   GTs, so queued GTs can always start (no GT starvation).
+   search on the length index), else a chunk of the head. PTs' prompt KV comes from the
+   reserve only (`pt_reserve_only`): the prompts being prefilled hold at most the reserve
+   (one prompt larger than the reserve may start alone). Ours (`pt_reserve_only=false`): a
+   PT takes any free KV, as long as the free KV still covers `admit_future` x (its own
+   predicted output and the demand of the queued GTs).
    Misprediction: a GT that filled its allocation first takes blocks from the reserve; when
    the reserve is spent it is stopped with its KV kept on the GPU (offload-free preemption,
    `PreemptionMode.KEEP`), given a new predicted remaining length (`regroup_factor` x its
@@ -32,7 +35,7 @@ Inputs: predicted output lengths (any length source: oracle, noisy_oracle, max_t
 JCT SLOs (deadlines), the cost model (TFS = its pivot forward size).
 Configuration: variant (D | SD | SDO | full), sync / order / pipe (override the variant),
 tfs, padding, reserve, buffer, group_tokens, regroup_factor, deadline_bucket_s,
-kv_bucket_tokens, length_bucket_tokens.
+kv_bucket_tokens, length_bucket_tokens, pt_reserve_only, admit_future (ours).
 """
 
 from __future__ import annotations
@@ -76,9 +79,10 @@ class EconoServeConfig(PolicyConfig):
     deadline_bucket_s: float = 0.5  # ordering key 1: width of a deadline window
     kv_bucket_tokens: int = 128  # ordering key 2: width of an occupied-KV range
     length_bucket_tokens: int = 128  # ordering key 3: width of a predicted-RL / prompt-length range
-    admit_future: float = (
-        1.0  # share of the predicted output blocks (its own + queued GTs') a PT needs free; 0: prompt only
-    )
+    pt_reserve_only: bool = True  # PTs' prompt KV comes from the reserve only (3.3.1); off (ours): any free KV
+    # ours, with pt_reserve_only off: the free KV must also cover this share of the predicted
+    # output blocks (its own + queued GTs'); 0: the prompt only
+    admit_future: float = 0.0
 
 
 @POLICIES.register("econoserve")
@@ -112,6 +116,8 @@ class EconoServePolicy(Policy):
         self.group_live: dict[int, int] = {}
         self.pipe = KVPipe(cfg.buffer, RESERVE, self.stats)
         self._pt_future_blocks = 0
+        self._pt_blocks = 0  # prompt blocks of the PTs being prefilled (they live in the reserve)
+        self._reserve_blocks = 0
         self._refill = True
         self._seq = 0
         self._next_group = 0
@@ -146,7 +152,8 @@ class EconoServePolicy(Policy):
     def schedule(self, step: StepBuilder, now: float) -> None:
         if self._kv is None:
             self._kv = step.kv
-            step.kv.gpu.set_reserve(RESERVE, round(self.config.reserve * step.kv.gpu.num_blocks))
+            self._reserve_blocks = round(self.config.reserve * step.kv.gpu.num_blocks)
+            step.kv.gpu.set_reserve(RESERVE, self._reserve_blocks)
         self.pipe.reclaim(step)
         for rid, req in list(self.active.items()):
             if rid in self.active:  # a host may have evicted this guest earlier in the loop
@@ -321,9 +328,15 @@ class EconoServePolicy(Policy):
         kv = step.kv
         prompt_blocks = kv.num_blocks_for(req.prefill_len)
         future = max(0, kv.num_blocks_for(self._future_cover(step, req)) - prompt_blocks)
-        committed = self.gtq.pending_blocks + self._pt_future_blocks
         busy = self.active or self.prefilling or len(self.gtq) or step.scheduled
-        if busy and prompt_blocks + self.config.admit_future * (future + committed) > kv.gpu.num_free:
+        if not self.config.pt_reserve_only:  # ours: any free KV, its future demand included
+            committed = self.gtq.pending_blocks + self._pt_future_blocks
+            if busy and prompt_blocks + self.config.admit_future * (future + committed) > kv.gpu.num_free:
+                return False
+        elif self.prefilling and self._pt_blocks + prompt_blocks > self._reserve_blocks:
+            # The paper's rule: PTs' prompt KV comes from the reserve only (3.3.1, "a small
+            # amount of KVC is reserved for PTs"); a prompt larger than the whole reserve
+            # still starts when no other PT is being prefilled, or it would never run.
             return False
         if not step.schedule(req, num_tokens, cover=req.prefill_len, reserve=RESERVE):
             return False
@@ -333,6 +346,8 @@ class EconoServePolicy(Policy):
         self.prefilling[req.request_id] = req
         req.policy_state.future_blocks = future
         self._pt_future_blocks += future
+        req.policy_state.prompt_blocks = prompt_blocks
+        self._pt_blocks += prompt_blocks
         return True
 
     def _future_cover(self, step: StepBuilder, req: Request) -> int:
@@ -380,6 +395,8 @@ class EconoServePolicy(Policy):
         if self.prefilling.pop(rid, None) is not None:
             self._pt_future_blocks -= state.future_blocks
             state.future_blocks = 0
+            self._pt_blocks -= state.prompt_blocks
+            state.prompt_blocks = 0
         self._leave_group(state)
 
     # ------------------------------------------------------------------ hooks
@@ -427,5 +444,9 @@ class EconoServePolicy(Policy):
                 del self.prefilling[rid]
                 self._pt_future_blocks -= state.future_blocks
                 state.future_blocks = 0
+                self._pt_blocks -= state.prompt_blocks
+                state.prompt_blocks = 0
                 self._push_gt(req, self._predicted_remaining(req, req.num_output_tokens), True)
-                self._refill = True
+                # NOTE: time-synced batching starts GT groups only when a group completes (or
+                # none runs); refilling on every new GT made SD behave like D.
+                self._refill = self._refill or not self.sync

@@ -181,6 +181,7 @@ class TaskState:
     group: int | None = None  # running group id (time-synced batching)
     planned_tokens: int | None = None  # tokens its first GT allocation covered (provisioning log)
     future_blocks: int = 0  # output blocks a PT in prefill will ask for as a GT
+    prompt_blocks: int = 0  # reserve blocks a PT in prefill was admitted with
     host: str | None = None  # KVCPipe: the GT whose blocks it borrows
     lent_blocks: int = 0  # blocks borrowed from the host
     guests: list[str] | None = None  # KVCPipe: GTs living in its lent tail, innermost last

@@ -33,7 +33,7 @@ import numpy as np
 from scheduler_service.costmodel.base import CostModel
 from sluice.contract.profile import BatchShape
 
-_FIT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+_FIT_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 _FIT_LENGTHS = (16, 64, 128, 256, 512, 768, 1024, 1536, 2048)
 
 
@@ -79,7 +79,9 @@ class ServingTimeEstimator:
         cls, cost_model: CostModel, max_len: int = 2048, max_batch: int = 64
     ) -> ServingTimeEstimator:
         """Fits to the cost model's price of padded prefills and decodes over a grid of batch
-        sizes and lengths up to `max_len` tokens and `max_batch` rows."""
+        sizes and lengths up to `max_len` tokens and `max_batch` rows. `max_batch` must be the
+        largest batch the batcher forms: a fit over smaller batches under-prices the large
+        ones (-21% to -28% at 256 rows when fitted up to 64), and the DP then favours them."""
         batches = [b for b in _FIT_BATCHES if b <= max_batch] or [1]
         lengths = [x for x in _FIT_LENGTHS if x <= max_len] or [max_len]
         prefill, decode = [], []

@@ -12,8 +12,8 @@ invalid tokens until the slice ends, unless all rows finish first (an early retu
 When the slice ends, unfinished requests go back to the router's pool with their
 generated tokens (`step.return_to_pool`: KV freed, the next slice re-prefills prompt +
 generated) and are batched again with new arrivals. The padding is priced by the
-simulator through the plan metadata (`padded_len`, `pad_tokens`, `invalid_tokens`,
-`invalid_context_sum`), as `sls` does.
+simulator through the plan metadata (`padded_len`, `padded_context`, `pad_tokens`,
+`invalid_tokens`, `invalid_context_sum`), as `sls` does: live rows decode at the padded context.
 
 Which requests form a batch: the `scls` router stamps each request it places with a
 `SliceTag` (batch id, slice length) in `request.policy_state`; requests sharing a batch
@@ -134,12 +134,14 @@ class SCLSPolicy(Policy):
         for req in live:
             if not step.schedule(req, req.num_tokens_to_compute):
                 step.return_to_pool(req)  # its slice reservation was lost: the pool takes it back
+        # Every row of a static batch, live or finished, decodes at the padded context
+        # (the prefill made token 1 at padded_len + 1).
+        context = current.padded_len + current.iteration - 1
+        step.metadata["padded_context"] = context
         invalid = len(current.members) - len(live)
         if invalid:
-            # Finished rows still run, at the padded context length (static batching).
-            step.metadata.update(
-                invalid_tokens=invalid, invalid_context_sum=invalid * (current.padded_len + current.iteration)
-            )
+            # Finished rows still run, producing invalid tokens.
+            step.metadata.update(invalid_tokens=invalid, invalid_context_sum=invalid * context)
 
     def _start_batch(self, step: StepBuilder) -> None:
         candidates, slice_len, batch_id = self._next_candidates(step)

@@ -18,13 +18,14 @@ a batch's estimate when its last member leaves. Ablations (section 5.4, `variant
 `pm` (DP capped at `pm_batch` rows, round robin, fixed interval Gamma), `ab` (the full DP,
 round robin, fixed interval), `lb` (+ max-min), `full` (+ adaptive interval); SO is the
 round-robin router with the `scls` policy forming its own FCFS batches.
-Long prompts (`max_prefill_share`, 0.5): every slice re-prefills its batch's prompts and
+Long prompts (`max_prefill_share`, ours, off by default): every slice re-prefills its batch's prompts and
 generated tokens, which the paper's S = 128 amortises over short prompts only (a padded
 100k-token prefill takes seconds, 128 decodes of it well under one). A batch whose prefill,
 priced by the cost model, would take more than this share of its slice gets a longer slice,
-as far as its KV fits (Eq. 9); 0 keeps the paper's fixed S.
+as far as its KV fits (Eq. 9); 0 (the default) keeps the paper's fixed S; long-context
+runs set 0.5.
 Options: `scls:variant=full,slice_len=128,xi=0.5,gamma_s=3,zeta=0.9,pm_batch=16,max_batch=0,
-max_prefill_share=0.5`.
+max_prefill_share=0`.
 
 Importing `scheduler_service.policies` imports this module, which registers the two.
 """
@@ -49,7 +50,10 @@ VARIANTS = ("pm", "ab", "lb", "full")
 def _estimator(ctx: RouterContext) -> ServingTimeEstimator | None:
     if ctx.cost_model is None:
         return None
-    return ServingTimeEstimator.fit_from_cost_model(ctx.cost_model, max_len=min(ctx.max_model_len, 4096))
+    # NOTE: fitted over every batch size the batcher may form (up to the workers' max_num_seqs).
+    return ServingTimeEstimator.fit_from_cost_model(
+        ctx.cost_model, max_len=min(ctx.max_model_len, 4096), max_batch=ctx.max_num_seqs
+    )
 
 
 @ROUTERS.register("max_min")
@@ -98,7 +102,7 @@ class SCLSRouterConfig:
     zeta: float = 0.9  # share of the KV cache a batch may plan to use (Eq. 9)
     pm_batch: int = 16  # PM's fixed batch-size cap
     max_batch: int = 0  # rows per batch; 0 = the workers' max_num_seqs
-    max_prefill_share: float = 0.5  # longer slices for batches whose prefill takes more of a slice; 0: fixed S
+    max_prefill_share: float = 0.0  # ours: longer slices where the prefill passes this share; 0: fixed S
 
     @classmethod
     def from_options(cls, options: dict[str, str]) -> SCLSRouterConfig:
