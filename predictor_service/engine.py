@@ -98,8 +98,20 @@ class PredictorEngine:
             )
             await self.store.sync()
             self._maintenance = asyncio.get_running_loop().create_task(self._maintain(), name="predictor-maintenance")
+        # Warm up before the server says SERVING: the first request would otherwise pay for
+        # loading the served tokenizer and the ONNX sessions' first runs (seconds on a busy
+        # CPU), past any deadline the scheduler gives it.
+        await asyncio.to_thread(self._warm_up)
         self.batcher.start()
         self._update_gauges()
+
+    def _warm_up(self) -> None:
+        self.text_of((0,))
+        self.predictor.predict(["warm-up"])
+
+    @property
+    def tokenizer_loaded(self) -> bool:
+        return self._tokenizer is not None
 
     async def close(self) -> None:
         if self._maintenance is not None:

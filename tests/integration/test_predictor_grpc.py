@@ -34,6 +34,13 @@ async def test_health_reports_the_service_serving(served) -> None:
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+async def test_serving_means_warmed_up_so_the_first_prediction_pays_no_loading(served) -> None:
+    # the scheduler gives each prediction a deadline of a few ms: a predictor that said SERVING
+    # and then loaded its served tokenizer on the first token-id prompt missed all of them
+    _, engine = served
+    assert engine.tokenizer_loaded
+
+
 async def test_predict_and_batch_answer_distributions_then_the_cache(served) -> None:
     target, _ = served
     async with PredictorClient(target) as client:
