@@ -13,6 +13,7 @@ the same objects, so every policy sees the same `PolicyContext` fields live and 
     int8_swap                   swapped KV is int8-compressed
     prefix_caching              computed full blocks are cached by prefix hash and shared
     length_source               where predicted output lengths come from (cluster/lengths.py)
+    overlap                     a worker's next plan may be made while its step runs
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class ClusterSpec:
     int8_swap: bool = False
     length_source: LengthSource = field(default_factory=MaxTokensLengths)
     prefix_caching: bool = True  # automatic prefix caching in every worker's KV accounting
+    overlap: bool = False  # plans may be made one step ahead (core/overlap.py; overlap_safe policies)
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -87,6 +89,7 @@ class ClusterSpec:
             max_model_len=self.max_model_len,
             max_waiting=self.max_waiting,
             queue_timeout_s=self.queue_timeout_s,
+            overlap=self.overlap,
         )
 
     def router_context(self) -> RouterContext:
