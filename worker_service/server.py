@@ -235,6 +235,16 @@ class EngineRunner:
         self._seconds_per_token = None
 
 
+def void_step(msg: worker_pb2.ExecuteRequest, receiver: PlanReceiver) -> worker_pb2.ExecuteResponse:
+    """Overlapped scheduling: a step planned while the step it follows was in flight, and that
+    step failed. Its plan assumed what the failed step would have done, so nothing of it runs;
+    it is still decoded, so the stream's next step may name the same ids by reference."""
+    with contextlib.suppress(ValueError, TypeError):
+        receiver.decode(msg)
+    why = f"void: planned after step {msg.follows_step_id}, which failed"
+    return result_to_proto(error_result(msg.step_id, "CANCELLED", why))
+
+
 def _warm_plan(engine: LLMEngine) -> StepPlan:
     """A one-request, one-block step that runs every stage once (first-call costs paid here)."""
     n = min(engine.info.block_size, 8)
@@ -412,11 +422,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         session = session_of(context.invocation_metadata())
         await self._check_lease(context, session)
         receiver = PlanReceiver(self.worker_id)
+        failed = 0  # the last step on this stream that failed or was void
         async for msg in request_iterator:
             # NOTE: checked per step, not only at the stream's start: a later Warmup (the lease
             # lapsed and another scheduler took the worker) ends this session's stream.
             await self._check_lease(context, session)
-            yield await self._step(msg, receiver)
+            if failed and msg.follows_step_id == failed:
+                response = void_step(msg, receiver)
+            else:
+                response = await self._step(msg, receiver)
+            if response.HasField("error"):
+                failed = msg.step_id
+            yield response
             self.lease.renew_if_holder(session)
 
     async def Release(

@@ -122,6 +122,7 @@ def cluster_spec(cfg: LiveConfig, caps: Sequence[WorkerCapacity], max_model_len:
         int8_swap=cfg.int8_swap and all(c.int8_swap for c in caps),
         length_source=GivenLengths(),
         prefix_caching=cfg.prefix_caching,
+        overlap=cfg.overlap,
     )
 
 
