@@ -7,27 +7,41 @@ the mix, and nothing may stay held on the scheduler's books or the worker's.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 
 import grpc
 import pytest
 
+from sluice.common.paths import data_file, open_text
 from sluice.common.tokenizer import Tokenizer
 from sluice.v1 import common_pb2, generation_pb2
-from tests.integration.test_scheduler_live import (
-    Worker,
-    ids_of,
-    prompts,  # noqa: F401  (fixture)
-    run_alone,
-    scheduler,
-    start_worker,
-    text_of,
-    tokenizer,  # noqa: F401  (fixture)
-)
-from tests.integration.test_scheduler_live import reference as reference  # noqa: F401  (fixture)
+from tests.integration.test_scheduler_live import Worker, engine, ids_of, run_alone, scheduler, start_worker, text_of
+from worker_service.engine import LLMEngine
 
 NUM = 16
 CANCEL_AFTER = {3: 2, 8: 5, 12: 1}  # request index -> tokens received before the client cancels
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.demo()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer: Tokenizer) -> list[str]:
+    """Real instructions (CodeAlpaca), short and long."""
+    with open_text(data_file("prompts/codealpaca_code_alpaca_2k.json")) as f:
+        rows = json.load(f)
+    texts = [f"{r['instruction']} {r['input']}".strip() for r in rows[:200]]
+    return [t for t in texts if 4 <= len(tokenizer.encode(t)) <= 120][:NUM]
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLMEngine:
+    eng = engine()
+    eng.init_kv_cache(64, 0)
+    return eng
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +51,15 @@ async def worker() -> Worker:
     await w.server.stop(None)
 
 
-async def run_mix(
-    client, prompts: Sequence[str], stops: dict[int, str]
-) -> dict[int, tuple[list[int], str, int]]:
+async def run_mix(client, prompts: Sequence[str], stops: dict[int, str]) -> dict[int, tuple[list[int], str, int]]:
     """Every request at once; returns (token ids, text, finish reason) per request index."""
 
     async def one(i: int, prompt: str) -> tuple[list[int], str, int]:
         stop = [stops[i]] if i in stops else []
         sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=6 + (i * 5) % 19, stop=stop)
-        call = client.stub.Generate(generation_pb2.GenerateRequest(request_id=f"r{i}", text=prompt, sampling_params=sampling))
+        call = client.stub.Generate(
+            generation_pb2.GenerateRequest(request_id=f"r{i}", text=prompt, sampling_params=sampling)
+        )
         messages: list[generation_pb2.GenerateResponse] = []
         limit = CANCEL_AFTER.get(i)
         async for message in call:
@@ -67,7 +81,7 @@ async def run_mix(
 
 
 async def test_overlap_gives_the_tokens_of_no_overlap_with_stops_cancels_and_preemptions(
-    worker: Worker, prompts: list[str], tokenizer: Tokenizer, reference
+    worker: Worker, prompts: list[str], tokenizer: Tokenizer, reference: LLMEngine
 ) -> None:
     chosen = prompts[:NUM]
     # stop strings cut from what the engine alone generates, so they do occur
