@@ -270,7 +270,7 @@ def main() -> int:
     p.add_argument("--max-output", type=int, default=64)
     p.add_argument("--policy", default="vllm")
     p.add_argument(
-        "--overlap", action=argparse.BooleanOptionalAction, default=True, help="overlapped scheduling, live and simulated"
+        "--overlap", action=argparse.BooleanOptionalAction, default=True, help="overlapped scheduling, both sides"
     )
     p.add_argument("--router", default="round_robin")
     p.add_argument("--workers", type=int, default=1)
