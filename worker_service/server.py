@@ -59,6 +59,7 @@ from sluice.contract.sampling import InvalidRequestError, SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine, StepPlanError
 from worker_service.lease import DEFAULT_LEASE_TTL_S, Lease, LeaseError, session_of
+from worker_service.step_reader import Incoming, StepReader
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,9 @@ class EngineRunner:
         async with self._lock:
             await self._thread_done()
             start = time.perf_counter()
-            if self.predicts_inline(num_tokens):
+            # NOTE: a step planned ahead (overlapped scheduling) runs on the thread: the next plan
+            # arrives during it, and the loop reads and decodes it meanwhile (StepReader).
+            if not plan.follows_step_id and self.predicts_inline(num_tokens):
                 self.inline_steps += 1
                 result = self.engine.execute(plan)
             else:
@@ -235,12 +238,10 @@ class EngineRunner:
         self._seconds_per_token = None
 
 
-def void_step(msg: worker_pb2.ExecuteRequest, receiver: PlanReceiver) -> worker_pb2.ExecuteResponse:
+def void_step(msg: worker_pb2.ExecuteRequest) -> worker_pb2.ExecuteResponse:
     """Overlapped scheduling: a step planned while the step it follows was in flight, and that
-    step failed. Its plan assumed what the failed step would have done, so nothing of it runs;
-    it is still decoded, so the stream's next step may name the same ids by reference."""
-    with contextlib.suppress(ValueError, TypeError):
-        receiver.decode(msg)
+    step failed. Its plan assumed what the failed step would have done, so nothing of it runs
+    (it was still decoded, so the stream's next step may name the same ids by reference)."""
     why = f"void: planned after step {msg.follows_step_id}, which failed"
     return result_to_proto(error_result(msg.step_id, "CANCELLED", why))
 
@@ -421,20 +422,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # can wrap this handler later (opentelemetry-python-contrib #3066).
         session = session_of(context.invocation_metadata())
         await self._check_lease(context, session)
-        receiver = PlanReceiver(self.worker_id)
+        reader = StepReader(request_iterator, PlanReceiver(self.worker_id))
         failed = 0  # the last step on this stream that failed or was void
-        async for msg in request_iterator:
-            # NOTE: checked per step, not only at the stream's start: a later Warmup (the lease
-            # lapsed and another scheduler took the worker) ends this session's stream.
-            await self._check_lease(context, session)
-            if failed and msg.follows_step_id == failed:
-                response = void_step(msg, receiver)
-            else:
-                response = await self._step(msg, receiver)
-            if response.HasField("error"):
-                failed = msg.step_id
-            yield response
-            self.lease.renew_if_holder(session)
+        try:
+            async for incoming in reader:
+                # NOTE: checked per step, not only at the stream's start: a later Warmup (the lease
+                # lapsed and another scheduler took the worker) ends this session's stream.
+                await self._check_lease(context, session)
+                msg = incoming.msg
+                if failed and msg.follows_step_id == failed:
+                    response = void_step(msg)
+                else:
+                    response = await self._step(incoming)
+                if response.HasField("error"):
+                    failed = msg.step_id
+                yield response
+                self.lease.renew_if_holder(session)
+        finally:
+            await reader.close()
 
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -459,22 +464,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             lease_holder=holder,
         )
 
-    async def _step(self, msg: worker_pb2.ExecuteRequest, receiver: PlanReceiver) -> worker_pb2.ExecuteResponse:
+    async def _step(self, incoming: Incoming) -> worker_pb2.ExecuteResponse:
         received = time.perf_counter()
+        msg, plan = incoming.msg, incoming.plan
         if not self.runner.ready:
-            receiver.forget()
             return result_to_proto(error_result(msg.step_id, "UNAVAILABLE", self.runner.not_ready_reason))
-        try:
-            plan = receiver.decode(msg)
-        except (ValueError, TypeError) as exc:  # InvalidRequestError names the field; others come from the dataclasses
-            return result_to_proto(error_result(msg.step_id, "INVALID_ARGUMENT", str(exc)))
+        if plan is None:  # InvalidRequestError names the field; others come from the dataclasses
+            return result_to_proto(error_result(msg.step_id, "INVALID_ARGUMENT", incoming.error))
         result = await self._execute_traced(plan)
         if result.error is None:
             result = replace(result, total_s=time.perf_counter() - received)
         if self.metrics is not None:
             code = result.error.code if result.error is not None else None
             self.metrics.on_step(result.total_s, plan.total_num_scheduled_tokens, code, self.runner.engine.num_requests)
-        return receiver.encode(result)
+        return result_to_proto(result, incoming.order)
 
     async def _execute_traced(self, plan: StepPlan) -> StepResult:
         """The step inside a span linked to the spans of the requests it advances (sluice.common.telemetry);
