@@ -152,6 +152,9 @@ def _check_memory(params: WarmupParams, memory: MemoryLimits) -> None:
 
 # Steps predicted to take at most this long run on the event loop (see EngineRunner).
 INLINE_STEP_S = 0.05
+# A step planned ahead (overlap) predicted to take at least this long runs on the thread, so
+# the next plan is decoded meanwhile; a shorter one leaves nothing to overlap and stays inline.
+OVERLAP_THREAD_S = 0.002
 
 
 class EngineRunner:
@@ -200,24 +203,32 @@ class EngineRunner:
             await self._thread_done()
             return fn(*args)
 
-    def predicts_inline(self, num_tokens: int) -> bool:
+    def predicts_inline(self, num_tokens: int, planned_ahead: bool = False) -> bool:
         per_token = self._seconds_per_token
-        return per_token is not None and per_token * num_tokens <= INLINE_STEP_S
+        if per_token is None:
+            return False
+        predicted = per_token * num_tokens
+        return predicted <= INLINE_STEP_S and not (planned_ahead and predicted >= OVERLAP_THREAD_S)
 
     async def step(self, plan: StepPlan) -> StepResult:
         num_tokens = max(plan.total_num_scheduled_tokens, 1)
         async with self._lock:
             await self._thread_done()
             start = time.perf_counter()
-            # NOTE: a step planned ahead (overlapped scheduling) runs on the thread: the next plan
-            # arrives during it, and the loop reads and decodes it meanwhile (StepReader).
-            if not plan.follows_step_id and self.predicts_inline(num_tokens):
+            # NOTE: a long step planned ahead (overlapped scheduling) runs on the thread: the next
+            # plan arrives during it, and the loop reads and decodes it meanwhile (StepReader).
+            if self.predicts_inline(num_tokens, planned_ahead=bool(plan.follows_step_id)):
                 self.inline_steps += 1
                 result = self.engine.execute(plan)
             else:
                 self.thread_steps += 1
                 result = await self._on_thread(self.engine.execute, plan)
             self._seconds_per_token = (time.perf_counter() - start) / num_tokens
+            device_s = getattr(self.engine, "async_device_s", 0.0)
+            if device_s:
+                # An engine whose device runs apart from the CPU (the echo engine emulating one):
+                # the step ends when the device does, and the loop is free meanwhile.
+                await asyncio.sleep(device_s)
         return result
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
