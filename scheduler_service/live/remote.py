@@ -179,6 +179,9 @@ class RemoteWorker:
             raise WorkerLost(f"worker {self.address}: step {plan.step_id} took over {self.step_timeout_s} s") from exc
         except (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError) as exc:
             raise WorkerLost(f"worker {self.address}: step stream failed: {_describe(exc)}") from exc
+        except asyncio.CancelledError as exc:
+            _raise_if_we_are_cancelled()
+            raise WorkerLost(f"worker {self.address}: the step stream was cancelled") from exc
         return await self._result(response, plan)
 
     # Overlapped scheduling: `send` puts a plan on the stream without waiting for its answer,
@@ -198,6 +201,9 @@ class RemoteWorker:
             raise WorkerLost(f"worker {self.address}: step {plan.step_id} could not be sent in time") from exc
         except (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError) as exc:
             raise WorkerLost(f"worker {self.address}: step stream failed: {_describe(exc)}") from exc
+        except asyncio.CancelledError as exc:
+            _raise_if_we_are_cancelled()
+            raise WorkerLost(f"worker {self.address}: the step stream was cancelled") from exc
         self._sent.append(plan)
 
     async def receive(self) -> StepResult:
@@ -213,6 +219,9 @@ class RemoteWorker:
             raise WorkerLost(f"worker {self.address}: step {plan.step_id} took over {self.step_timeout_s} s") from exc
         except (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError) as exc:
             raise WorkerLost(f"worker {self.address}: step stream failed: {_describe(exc)}") from exc
+        except asyncio.CancelledError as exc:
+            _raise_if_we_are_cancelled()
+            raise WorkerLost(f"worker {self.address}: the step stream was cancelled") from exc
         return await self._result(response, plan)
 
     async def _result(self, response: object, plan: StepPlan) -> StepResult:
@@ -316,6 +325,14 @@ def hardware_from_proto(hw: worker_pb2.HardwareDescription) -> HardwareSpec:
         return HARDWARE_PRESETS[hw.preset]
     name = hw.name or "unknown device"
     return HardwareSpec(name, hw.peak_flops, hw.memory_bandwidth, hw.memory_bytes, hw.host_link_bandwidth)
+
+
+def _raise_if_we_are_cancelled() -> None:
+    """A CancelledError out of a stream read is the stream's (cancelled under us: the worker is
+    lost for this session) unless our own task is being cancelled, which must go on."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _describe(exc: BaseException) -> str:
