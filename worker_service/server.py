@@ -58,6 +58,7 @@ from sluice.contract.plan_codec import PlanReceiver, error_result, result_to_pro
 from sluice.contract.sampling import InvalidRequestError, SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine, StepPlanError
+from worker_service.finished_filter import FinishedFilter
 from worker_service.lease import DEFAULT_LEASE_TTL_S, Lease, LeaseError, session_of
 from worker_service.step_reader import Incoming, StepReader
 
@@ -434,6 +435,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         session = session_of(context.invocation_metadata())
         await self._check_lease(context, session)
         reader = StepReader(request_iterator, PlanReceiver(self.worker_id))
+        info = self.runner.engine.info
+        finished = FinishedFilter(frozenset(info.eos_token_ids), info.max_model_len)
         failed = 0  # the last step on this stream that failed or was void
         try:
             async for incoming in reader:
@@ -443,8 +446,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 msg = incoming.msg
                 if failed and msg.follows_step_id == failed:
                     response = void_step(msg)
+                    finished.observe_result(0, {})
                 else:
-                    response = await self._step(incoming)
+                    response = await self._step(incoming, finished)
                 if response.HasField("error"):
                     failed = msg.step_id
                 yield response
@@ -475,14 +479,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             lease_holder=holder,
         )
 
-    async def _step(self, incoming: Incoming) -> worker_pb2.ExecuteResponse:
+    async def _step(self, incoming: Incoming, finished: FinishedFilter) -> worker_pb2.ExecuteResponse:
         received = time.perf_counter()
         msg, plan = incoming.msg, incoming.plan
         if not self.runner.ready:
             return result_to_proto(error_result(msg.step_id, "UNAVAILABLE", self.runner.not_ready_reason))
         if plan is None:  # InvalidRequestError names the field; others come from the dataclasses
+            finished.observe_result(0, {})
             return result_to_proto(error_result(msg.step_id, "INVALID_ARGUMENT", incoming.error))
+        book = getattr(self.runner.engine, "book", None)
+        if book is not None:
+            # NOTE: overlap: requests the previous step finished are left out (their answer then
+            # names its tokens by id, since it no longer samples exactly the plan's requests).
+            plan = finished.filter(plan, book.entries)
+        finished.observe_plan(plan)
         result = await self._execute_traced(plan)
+        finished.observe_result(plan.step_id if result.error is None else 0, result.sampled_token_ids)
         if result.error is None:
             result = replace(result, total_s=time.perf_counter() - received)
         if self.metrics is not None:

@@ -438,3 +438,26 @@ async def test_plans_sent_ahead_run_in_order_and_one_after_a_failed_step_is_void
     assert ran.sampled_token_ids == reference.execute(replace(independent, step_id=5)).sampled_token_ids
     await call.done_writing()
     assert await call.read() is grpc.aio.EOF
+
+
+async def test_a_step_planned_ahead_leaves_out_a_request_its_predecessor_finished(worker: Worker) -> None:
+    """c reaches max_tokens (1) in step 1; step 2 was planned before the scheduler knew, so it
+    still schedules c: the worker leaves c out and answers a's token only, naming it by id."""
+    from dataclasses import replace
+
+    await worker.warmup()
+    stream = StepStream(worker.stub)
+    short = SamplingParams(temperature=0.0, max_tokens=1)
+    a = new_request("a", PROMPT_B, (0,), GREEDY)
+    c = new_request("c", PROMPT_B, (1,), short)
+    first = await stream.step(plan(1, {"a": 10, "c": 10}, sample=["a", "c"], new=[a, c]))
+    assert first.sampled_token_ids.keys() == {"a", "c"}
+    ahead = replace(plan(2, {"a": 1, "c": 1}, sample=["a", "c"]), follows_step_id=1)
+    second = await stream.step(ahead)
+    assert second.error is None
+    assert second.sampled_token_ids.keys() == {"a"}, "c finished at step 1: no extra token computed"
+    # the scheduler then releases c, and a goes on
+    third = await stream.step(plan(3, {"a": 1}, sample=["a"], release=["c"]))
+    assert third.sampled_token_ids.keys() == {"a"}
+    assert (await worker.stub.Health(worker_pb2.HealthRequest())).num_requests == 1
+    await stream.close()
