@@ -176,11 +176,13 @@ class WorkerLoop:
         """Metrics of a plan about to be sent; its BatchShape when the step log keeps them."""
         live = self.live
         running = live.cluster.schedulers[self.worker_id].running
-        for rid in plan.num_scheduled_tokens:
-            live.metrics.on_scheduled(running[rid])
+        committed = live.cluster.overlaps(self.worker_id)  # the counts already include this step
+        for rid, n in plan.num_scheduled_tokens.items():
+            req = running[rid]
+            live.metrics.on_scheduled(req, req.num_computed_tokens - n < req.prefill_len if committed else None)
         if not live.config.record_step_shapes:
             return None
-        return step_shape(plan, running, committed=live.cluster.overlaps(self.worker_id))
+        return step_shape(plan, running, committed=committed)
 
     def on_contact(self, now: float) -> None:
         """The worker answered a step."""
