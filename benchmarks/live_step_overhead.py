@@ -20,6 +20,23 @@ rounds' medians: this machine's speed drifts by tens of percent from minute to m
 interleaving keeps one slow minute from landing on one size.
 
     python benchmarks/live_step_overhead.py [--sizes 1,4,16,64,128,256] [--steps 100] [--rounds 3]
+
+Overlapped scheduling, side by side (`--modes`, after the table above): the same decode
+steps driven as the live loop drives them, with overlap off (plan, send, wait, apply) and on
+(plan N+1 and send it before reading answer N, live/pipeline.py), against an echo worker whose
+step takes `--step-ms` of device time (20 ms), awaited off the worker's CPU as a GPU's kernels
+run (`--echo-async-device`), and against one with none (0 ms: a step's period is then the
+system's overhead itself):
+
+    visible overhead = step period (answer to answer, steady decode) - the emulated device step
+    beyond the worker = step period - the worker's own time for the step (StepResult.total_s)
+    decode throughput = sequences / step period
+
+The target is a visible overhead of at most 1% of a 20 ms step at 256 sequences with overlap
+on, and a decode throughput with overlap at least as high as without. `--model-worker` adds
+the torch CPU model (tiny-llama, dummy weights) at `--model-seqs` sequences.
+
+    python benchmarks/live_step_overhead.py --modes [--mode-sizes 64,256] [--step-ms 20] [--model-worker]
 """
 
 from __future__ import annotations
@@ -37,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_common import spawn_worker
 
 from scheduler_service import policies  # noqa: F401  (registers the policies)
-from scheduler_service.cluster import ClusterSpec, WorkerSpec, build_cluster
+from scheduler_service.cluster import Cluster, ClusterSpec, WorkerSpec, build_cluster
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.costmodel.factory import build_cost_model
@@ -72,20 +89,25 @@ class SizeResult:
 
 
 def make_scheduler(n: int) -> Scheduler:
+    return make_cluster(n).schedulers[0]
+
+
+def make_cluster(n: int, overlap: bool = False, prompt_len: int = PROMPT_LEN) -> Cluster:
     spec = ClusterSpec(
         policy="vllm",
         workers=(WorkerSpec(NUM_GPU_BLOCKS, 0, BLOCK_SIZE),),
         cost_model=build_cost_model("analytic", "llama-2-7b", "a100-80g"),
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=max(n, 1),
-        max_num_batched_tokens=max(2048, n * PROMPT_LEN),
+        max_num_batched_tokens=max(2048, n * prompt_len),
+        overlap=overlap,
     )
-    return build_cluster(spec).schedulers[0]
+    return build_cluster(spec)
 
 
-def add_requests(sched: Scheduler, n: int, max_tokens: int) -> None:
+def add_requests(sched: Scheduler, n: int, max_tokens: int, prompt_len: int = PROMPT_LEN) -> None:
     for i in range(n):
-        prompt = [1000 + (i * 37 + j) % 1000 for j in range(PROMPT_LEN)]
+        prompt = [1000 + (i * 37 + j) % 1000 for j in range(prompt_len)]
         request = Request(
             f"r{i}",
             arrival_time=0.0,
@@ -206,6 +228,141 @@ async def main_async(sizes: list[int], steps: int, warmup: int, rounds: int) -> 
     return [combine(by_size[n]) for n in sizes]
 
 
+# ---------------------------------------------------------------- overlap on and off
+
+
+@dataclass
+class ModeResult:
+    worker: str  # which worker answered: "echo 20 ms", "echo 0 ms", "tiny-llama CPU"
+    n: int
+    overlap: bool
+    period_ms: float  # answer to answer, steady decode
+    device_ms: float  # the emulated device step (echo); 0 for the model worker
+    gap_ms: float  # period - the step's time on the worker (from taking the plan to answering)
+
+    @property
+    def visible_ms(self) -> float:
+        return self.period_ms - self.device_ms
+
+    @property
+    def share(self) -> float:
+        return self.visible_ms / 1e3 / GPU_STEP_S
+
+    @property
+    def tok_s(self) -> float:
+        return self.n / (self.period_ms / 1e3)
+
+
+async def measure_mode(
+    address: str, n: int, steps: int, warmup: int, overlap: bool, prompt_len: int = PROMPT_LEN
+) -> tuple[float, float]:
+    """Median step period (s) over `steps` steady decode steps, driven as the live loop drives
+    them (with overlap, up to two plans on the stream: StepPipeline's turn; else one), and the
+    median of period - the worker's own time for the step (its StepResult.total_s)."""
+    remote = RemoteWorker(0, address, step_timeout_s=60.0)
+    await remote.connect(WarmupOptions(num_gpu_blocks=NUM_GPU_BLOCKS, swap_space_gib=0.0), 60.0)
+    cluster = make_cluster(n, overlap, prompt_len)
+    sched = cluster.schedulers[0]
+    assert cluster.overlaps(0) == overlap
+    add_requests(sched, n, max_tokens=warmup + steps + 8, prompt_len=prompt_len)
+    depth = 2 if overlap else 1
+    sent: list[bool] = []  # per plan on the stream: a steady decode step
+    periods: list[float] = []
+    gaps: list[float] = []
+    last = 0.0
+    steady = 0
+    try:
+        while steady < warmup + steps:
+            if len(sent) < depth and cluster.has_work(0):
+                plan = cluster.plan_step(0, time.monotonic())
+                if plan is not None:
+                    await remote.send(plan)
+                    decode = len(plan.num_scheduled_tokens) == n and plan.total_num_scheduled_tokens == n
+                    sent.append(decode and not plan.new_requests)
+                    if len(sent) < depth:
+                        continue  # the worker was idle: plan ahead before waiting
+            result = await remote.receive()
+            assert result.error is None, result.error
+            cluster.complete_step(0, result, time.monotonic())
+            done = time.perf_counter()
+            if sent.pop(0):
+                steady += 1
+                if steady > warmup:
+                    periods.append(done - last)
+                    gaps.append(done - last - result.total_s)
+            last = done
+        while sent:  # drain what is still on the stream
+            cluster.complete_step(0, await remote.receive(), time.monotonic())
+            sent.pop(0)
+    finally:
+        await remote.end_lease()
+        await remote.close()
+    return statistics.median(periods), statistics.median(gaps)
+
+
+async def modes_async(args: argparse.Namespace) -> list[ModeResult]:
+    from tqdm import tqdm
+
+    sizes = [int(s) for s in args.mode_sizes.split(",")]
+    workers = [(f"echo {args.step_ms:g} ms", "echo", args.step_ms, sizes, PROMPT_LEN)]
+    if args.step_ms:
+        workers.append(("echo 0 ms", "echo", 0.0, sizes, PROMPT_LEN))
+    if args.model_worker:
+        workers.append(("tiny-llama CPU", "torch", 0.0, [args.model_seqs], 16))
+    jobs = [(w, n, o) for w in workers for n in w[3] for o in (False, True)]
+    periods: dict[tuple[str, int, bool], list[tuple[float, float]]] = {}
+    with tqdm(total=args.rounds * len(jobs), desc="overlap on/off", unit="run", leave=False) as bar:
+        for label, engine, step_ms, _, prompt_len in workers:
+            extra = ("--echo-step-ms", str(step_ms), "--echo-async-device") if engine == "echo" else ()
+            worker = spawn_worker(engine=engine, extra=extra)
+            try:
+                for _ in range(args.rounds):
+                    for w, n, overlap in jobs:
+                        if w[0] != label:
+                            continue
+                        steps = args.steps if engine == "echo" else max(20, args.steps // 4)
+                        measured = await measure_mode(worker.address, n, steps, args.warmup, overlap, prompt_len)
+                        periods.setdefault((label, n, overlap), []).append(measured)
+                        bar.update()
+            finally:
+                worker.stop()
+    out = []
+    for (label, n, overlap), values in periods.items():
+        device = next(w[2] for w in workers if w[0] == label)
+        period = statistics.median(v[0] for v in values) * 1e3
+        out.append(ModeResult(label, n, overlap, period, device, statistics.median(v[1] for v in values) * 1e3))
+    return out
+
+
+def format_modes(results: list[ModeResult]) -> str:
+    lines = [
+        "| worker | running seqs | overlap | step period ms | visible overhead ms | share of 20 ms "
+        "| period - worker's step ms | decode tok/s |",
+        "|" + "---|" * 8,
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.worker} | {r.n} | {'on' if r.overlap else 'off'} | {r.period_ms:.3f} | {r.visible_ms:.3f} "
+            f"| {r.share:.2%} | {r.gap_ms:.3f} | {r.tok_s:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def modes_summary(results: list[ModeResult]) -> str:
+    by = {(r.worker, r.n, r.overlap): r for r in results}
+    lines = []
+    for (worker, n, overlap), on in by.items():
+        if not overlap:
+            continue
+        off = by[(worker, n, False)]
+        lines.append(
+            f"{worker}, {n} seqs: visible overhead {off.visible_ms:.3f} -> {on.visible_ms:.3f} ms "
+            f"({off.share:.2%} -> {on.share:.2%} of 20 ms), beyond the worker's own step "
+            f"{off.gap_ms:.3f} -> {on.gap_ms:.3f} ms; throughput x{on.tok_s / off.tok_s:.2f} with overlap"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1,4,16,64,128,256")
@@ -213,7 +370,21 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3, help="measure every size this many times, interleaved")
     p.add_argument("--markdown", help="also write the table here")
+    p.add_argument("--modes", action="store_true", help="also measure overlap on and off side by side")
+    p.add_argument("--modes-only", action="store_true", help="only the overlap on/off comparison")
+    p.add_argument("--mode-sizes", default="64,256", help="running sequences for --modes")
+    p.add_argument("--step-ms", type=float, default=20.0, help="the echo worker's emulated device step for --modes")
+    p.add_argument("--model-worker", action="store_true", help="--modes also with the torch CPU model (tiny-llama)")
+    p.add_argument("--model-seqs", type=int, default=32, help="sequences for --model-worker")
     args = p.parse_args()
+    if args.modes or args.modes_only:
+        modes = asyncio.run(modes_async(args))
+        text = format_modes(modes) + "\n\n" + modes_summary(modes)
+        print(text)
+        if args.markdown:
+            Path(args.markdown).with_suffix(".modes.md").write_text(text + "\n")
+        if args.modes_only:
+            return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     results = asyncio.run(main_async(sizes, args.steps, args.warmup, args.rounds))
     table = format_table(results)

@@ -36,6 +36,9 @@ class WorkerConfig(SecurityConfig, WarmupDefaults, EngineConfig):
     threads: int = opt(0, "torch intra-op threads on CPU; 0: torch's default")
     engine: str = opt("torch", "torch: run the model; echo (or none): check plans and answer synthetic tokens")
     echo_step_ms: float = opt(0.0, "with --engine echo: sleep this long per step")
+    echo_async_device: bool = opt(
+        False, "with --echo-step-ms: the step's time is awaited off the CPU, as a GPU's kernels run (not slept)"
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -65,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.engine in ("echo", "none"):
         from worker_service.echo_engine import EchoEngine
 
-        factory = partial(EchoEngine, step_time_s=cfg.echo_step_ms / 1e3)
+        factory = partial(EchoEngine, step_time_s=cfg.echo_step_ms / 1e3, async_device=cfg.echo_async_device)
     engine_config, defaults = subset(EngineConfig, cfg), subset(WarmupDefaults, cfg)
     try:
         options = WorkerServerOptions(ServerSecurity.from_config(cfg), cfg.health_port, cfg.lease_ttl_s)

@@ -12,7 +12,9 @@ exposes the LLMEngine methods the server uses (`info`, `spec.supports_int8`,
 Plans are checked by the same `PlanBook` as the torch engine's (worker_service/plan_check.py),
 so a plan this worker accepts is one the real worker accepts. Sampled tokens are fixed
 common word pieces cycling with the position, never an EOS id, so requests run to their
-max_tokens. `step_time_s` optionally sleeps to mimic a device step.
+max_tokens. `step_time_s` optionally sleeps to mimic a device step; with `async_device` that
+time is not slept in `execute` but awaited by the server after it (`async_device_s`), as a
+GPU's kernels run while its host CPU is free: what overlapped scheduling relies on.
 """
 
 from __future__ import annotations
@@ -43,13 +45,14 @@ class EchoSpec:
 class EchoEngine:
     """Bookkeeping of an LLMEngine without the model; see the module docstring."""
 
-    def __init__(self, config: EngineConfig, step_time_s: float = 0.0) -> None:
+    def __init__(self, config: EngineConfig, step_time_s: float = 0.0, async_device: bool = False) -> None:
         self.config = config
         self.model_config = resolve_config(config.model)
         c = self.model_config
         self.max_model_len = config.max_model_len or c.max_position_embeddings
         self.spec = EchoSpec(bytes_per_block=2 * c.num_layers * c.num_kv_heads * c.head_dim * config.block_size * 2)
         self.step_time_s = step_time_s
+        self.async_device_s = step_time_s if async_device else 0.0
         self.book = PlanBook(config.block_size, self.max_model_len, c.vocab_size)
         eos = set(c.eos_token_ids)
         vocab = c.vocab_size
@@ -119,7 +122,7 @@ class EchoEngine:
         self.book.commit(staged)
         sampled = self._sample(plan)
         self.book.advance(plan, sampled)
-        if self.step_time_s:
+        if self.step_time_s and not self.async_device_s:
             time.sleep(self.step_time_s)
         return StepResult(
             step_id=plan.step_id,

@@ -58,7 +58,9 @@ from sluice.contract.plan_codec import PlanReceiver, error_result, result_to_pro
 from sluice.contract.sampling import InvalidRequestError, SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine, StepPlanError
+from worker_service.finished_filter import FinishedFilter
 from worker_service.lease import DEFAULT_LEASE_TTL_S, Lease, LeaseError, session_of
+from worker_service.step_reader import Incoming, StepReader
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +153,9 @@ def _check_memory(params: WarmupParams, memory: MemoryLimits) -> None:
 
 # Steps predicted to take at most this long run on the event loop (see EngineRunner).
 INLINE_STEP_S = 0.05
+# A step planned ahead (overlap) on an accelerator predicted to take at least this long runs on
+# the thread, so the next plan is decoded meanwhile; a shorter one leaves nothing to overlap.
+OVERLAP_THREAD_S = 0.002
 
 
 class EngineRunner:
@@ -176,6 +181,9 @@ class EngineRunner:
         self.thread_steps = 0
         self.warmed_up = False
         self.failure = ""  # why the engine stopped being usable; empty while it works
+        # NOTE: only an accelerator computes apart from the host CPU; on a CPU engine the thread
+        # would compete with the loop for the same cores (measured: half the decode rate).
+        self.accelerated = not str(engine.info.device).startswith("cpu")
 
     @property
     def ready(self) -> bool:
@@ -199,22 +207,33 @@ class EngineRunner:
             await self._thread_done()
             return fn(*args)
 
-    def predicts_inline(self, num_tokens: int) -> bool:
+    def predicts_inline(self, num_tokens: int, planned_ahead: bool = False) -> bool:
         per_token = self._seconds_per_token
-        return per_token is not None and per_token * num_tokens <= INLINE_STEP_S
+        if per_token is None:
+            return False
+        predicted = per_token * num_tokens
+        overlap_on_thread = planned_ahead and self.accelerated and predicted >= OVERLAP_THREAD_S
+        return predicted <= INLINE_STEP_S and not overlap_on_thread
 
     async def step(self, plan: StepPlan) -> StepResult:
         num_tokens = max(plan.total_num_scheduled_tokens, 1)
         async with self._lock:
             await self._thread_done()
             start = time.perf_counter()
-            if self.predicts_inline(num_tokens):
+            # NOTE: a long step planned ahead (overlapped scheduling) runs on the thread: the next
+            # plan arrives during it, and the loop reads and decodes it meanwhile (StepReader).
+            if self.predicts_inline(num_tokens, planned_ahead=bool(plan.follows_step_id)):
                 self.inline_steps += 1
                 result = self.engine.execute(plan)
             else:
                 self.thread_steps += 1
                 result = await self._on_thread(self.engine.execute, plan)
             self._seconds_per_token = (time.perf_counter() - start) / num_tokens
+            device_s = getattr(self.engine, "async_device_s", 0.0)
+            if device_s:
+                # An engine whose device runs apart from the CPU (the echo engine emulating one):
+                # the step ends when the device does, and the loop is free meanwhile.
+                await asyncio.sleep(device_s)
         return result
 
     async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -233,6 +252,14 @@ class EngineRunner:
     def forget_history(self) -> None:
         """After Warmup: a new KV cache (and maybe a new batch shape), so no prediction yet."""
         self._seconds_per_token = None
+
+
+def void_step(msg: worker_pb2.ExecuteRequest) -> worker_pb2.ExecuteResponse:
+    """Overlapped scheduling: a step planned while the step it follows was in flight, and that
+    step failed. Its plan assumed what the failed step would have done, so nothing of it runs
+    (it was still decoded, so the stream's next step may name the same ids by reference)."""
+    why = f"void: planned after step {msg.follows_step_id}, which failed"
+    return result_to_proto(error_result(msg.step_id, "CANCELLED", why))
 
 
 def _warm_plan(engine: LLMEngine) -> StepPlan:
@@ -411,13 +438,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # can wrap this handler later (opentelemetry-python-contrib #3066).
         session = session_of(context.invocation_metadata())
         await self._check_lease(context, session)
-        receiver = PlanReceiver(self.worker_id)
-        async for msg in request_iterator:
-            # NOTE: checked per step, not only at the stream's start: a later Warmup (the lease
-            # lapsed and another scheduler took the worker) ends this session's stream.
-            await self._check_lease(context, session)
-            yield await self._step(msg, receiver)
-            self.lease.renew_if_holder(session)
+        reader = StepReader(request_iterator, PlanReceiver(self.worker_id))
+        info = self.runner.engine.info
+        finished = FinishedFilter(frozenset(info.eos_token_ids), info.max_model_len)
+        failed = 0  # the last step on this stream that failed or was void
+        try:
+            async for incoming in reader:
+                # NOTE: checked per step, not only at the stream's start: a later Warmup (the lease
+                # lapsed and another scheduler took the worker) ends this session's stream.
+                await self._check_lease(context, session)
+                msg = incoming.msg
+                if failed and msg.follows_step_id == failed:
+                    response = void_step(msg)
+                    finished.observe_result(0, {})
+                else:
+                    response = await self._step(incoming, finished)
+                if response.HasField("error"):
+                    failed = msg.step_id
+                yield response
+                self.lease.renew_if_holder(session)
+        finally:
+            await reader.close()
 
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -442,22 +483,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             lease_holder=holder,
         )
 
-    async def _step(self, msg: worker_pb2.ExecuteRequest, receiver: PlanReceiver) -> worker_pb2.ExecuteResponse:
+    async def _step(self, incoming: Incoming, finished: FinishedFilter) -> worker_pb2.ExecuteResponse:
         received = time.perf_counter()
+        msg, plan = incoming.msg, incoming.plan
         if not self.runner.ready:
-            receiver.forget()
             return result_to_proto(error_result(msg.step_id, "UNAVAILABLE", self.runner.not_ready_reason))
-        try:
-            plan = receiver.decode(msg)
-        except (ValueError, TypeError) as exc:  # InvalidRequestError names the field; others come from the dataclasses
-            return result_to_proto(error_result(msg.step_id, "INVALID_ARGUMENT", str(exc)))
+        if plan is None:  # InvalidRequestError names the field; others come from the dataclasses
+            finished.observe_result(0, {})
+            return result_to_proto(error_result(msg.step_id, "INVALID_ARGUMENT", incoming.error))
+        book = getattr(self.runner.engine, "book", None)
+        if book is not None:
+            # NOTE: overlap: requests the previous step finished are left out (their answer then
+            # names its tokens by id, since it no longer samples exactly the plan's requests).
+            plan = finished.filter(plan, book.entries)
+        finished.observe_plan(plan)
         result = await self._execute_traced(plan)
+        finished.observe_result(plan.step_id if result.error is None else 0, result.sampled_token_ids)
         if result.error is None:
             result = replace(result, total_s=time.perf_counter() - received)
         if self.metrics is not None:
             code = result.error.code if result.error is not None else None
             self.metrics.on_step(result.total_s, plan.total_num_scheduled_tokens, code, self.runner.engine.num_requests)
-        return receiver.encode(result)
+        return result_to_proto(result, incoming.order)
 
     async def _execute_traced(self, plan: StepPlan) -> StepResult:
         """The step inside a span linked to the spans of the requests it advances (sluice.common.telemetry);

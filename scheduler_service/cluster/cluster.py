@@ -227,6 +227,15 @@ class Cluster:
     def has_work(self, worker: int) -> bool:
         return self.schedulers[worker].has_work
 
+    def overlaps(self, worker: int) -> bool:
+        """The worker's next plan may be made while a step of it is in flight (the spec asks
+        for overlap and the policy keeps no state between plan and result)."""
+        return self.schedulers[worker].overlap
+
+    def is_in_flight(self, worker: int, step_id: int) -> bool:
+        """The step is unanswered and still valid (a failure before it voids it)."""
+        return self.schedulers[worker].is_in_flight(step_id)
+
     @property
     def any_healthy(self) -> bool:
         return any(self.healthy.values())

@@ -125,6 +125,12 @@ class DisaggCluster(Cluster):
     def _role(self, worker: int) -> str:
         return self.spec.workers[worker].role
 
+    def overlaps(self, worker: int) -> bool:
+        # NOTE: a prefill worker hands a request off when its prefill's answer comes, which a
+        # plan made one step ahead would already have scheduled a decode for; the two were
+        # built apart and are not combined until that is handled and tested: one step at a time.
+        return False
+
     # ------------------------------------------------------------------ the driver's side
     def pop_transfers(self) -> list[KVTransfer]:
         issued, self._issued = self._issued, []

@@ -16,6 +16,7 @@ the same objects, so every policy sees the same `PolicyContext` fields live and 
     length_source               where predicted output lengths come from (cluster/lengths.py)
     decode_router               picks the decode worker of a disaggregated cluster's requests
     int8_transfer               KV moved from a prefill to a decode worker is int8-compressed
+    overlap                     a worker's next plan may be made while its step runs
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class ClusterSpec:
     prefix_caching: bool = True  # automatic prefix caching in every worker's KV accounting
     decode_router: str = "kv_aware"  # picks a request's decode worker (disaggregated clusters)
     int8_transfer: bool = False  # KV moved between workers is int8-compressed (half the bytes)
+    overlap: bool = False  # plans may be made one step ahead (core/overlap.py; overlap_safe policies)
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -104,6 +106,7 @@ class ClusterSpec:
             max_model_len=self.max_model_len,
             max_waiting=self.max_waiting,
             queue_timeout_s=self.queue_timeout_s,
+            overlap=self.overlap,
         )
 
     def router_context(self) -> RouterContext:

@@ -57,6 +57,11 @@ class PlanWriter:
         self._sent_blocks.clear()
         self._table_replaced.clear()
 
+    def release_again(self, request_ids: list[str]) -> None:
+        """Releases sent in plans the worker did not apply (failed or void) go out again."""
+        pending = self._pending_releases
+        pending.extend(rid for rid in request_ids if rid not in pending and rid not in self._known)
+
     def clear(self) -> None:
         """The worker is gone: nothing to tell it."""
         self._known.clear()
@@ -72,9 +77,11 @@ class PlanWriter:
         kv_moves: Sequence[KVMove],
         token_budget: int,
         metadata: Mapping[str, Any],
+        follows_step_id: int = 0,
     ) -> StepPlan:
         """The plan of one step: `scheduled` (request id -> tokens, batch order) over the
-        running requests and their GPU block tables."""
+        running requests and their GPU block tables; `follows_step_id`: the step in flight it
+        was planned ahead of (overlap), 0 when none."""
         new: list[NewRequestData] = []
         ids: list[str] = []
         blocks: list[tuple[int, ...]] = []
@@ -120,6 +127,7 @@ class PlanWriter:
             kv_moves=tuple(kv_moves),
             token_budget=token_budget,
             metadata=metadata,
+            follows_step_id=follows_step_id,
         )
 
 

@@ -70,6 +70,9 @@ class Policy(ABC):
 
     name: ClassVar[str] = "abstract"
     config_cls: ClassVar[type[PolicyConfig]] = PolicyConfig
+    # The policy keeps no state between `schedule` and `on_step_result`, so a plan may be made
+    # while the previous one is in flight (overlapped scheduling, core/overlap.py).
+    overlap_safe: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, ctx: PolicyContext) -> None:
         self.config = config

@@ -9,17 +9,22 @@ The scheduler owns the request sets (waiting FCFS with preempted requests at the
 running in admission order, swapped, kept) and the worker's KV block tables; it turns
 the policy's decisions into a StepPlan that sends new requests once in full and known
 ones as a diff. A failed step or a lost worker resets the worker's requests to recompute.
+
+With `overlap` (and a policy that is `overlap_safe`) a plan may be made while the previous one
+is still in flight: each plan commits its step at once and its answer resolves placeholder
+tokens (core/overlap.py).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from kvstore.accounting import KVCacheManager
 from scheduler_service.core.budget import TokenBudget
 from scheduler_service.core.metrics import MetricsRecorder
+from scheduler_service.core.overlap import InFlight, commit_plan, resolve_step
 from scheduler_service.core.plan_writer import PlanWriter
 from scheduler_service.core.policy import Policy
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason, RejectReason
@@ -37,6 +42,7 @@ class SchedulerConfig:
     max_waiting: int = 100_000  # bound of the waiting queue; beyond it requests are rejected
     queue_timeout_s: float | None = None  # a request never admitted within this is dropped
     drop_expired_deadlines: bool = False  # drop waiting requests whose JCT deadline passed
+    overlap: bool = False  # plans may be made one step ahead of the answers (core/overlap.py)
 
 
 @dataclass(slots=True)
@@ -68,7 +74,10 @@ class Scheduler:
         self._finished: list[Request] = []
         self.plans = PlanWriter(worker_id)  # what the worker has been told
         self._expiry: list[tuple[float, str]] = []
-        self._inflight: StepPlan | None = None
+        self._inflight: deque[InFlight] = deque()  # plans sent and not answered, oldest first
+        # NOTE: only for policies that keep no state between schedule and on_step_result.
+        self.overlap = self.config.overlap and getattr(policy, "overlap_safe", False)
+        self.pending_tokens: dict[str, int] = {}  # overlap: request id -> placeholders not resolved yet
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request: Request, now: float) -> RejectReason | None:
@@ -126,19 +135,39 @@ class Scheduler:
         budget = TokenBudget(self.policy.token_budget(now), self.config.max_num_seqs)
         step = StepBuilder(self, budget, now)
         self.policy.schedule(step, now)
+        follows = self._inflight[-1].plan.step_id if self.overlap and self._inflight else 0
         plan = self.plans.write(
-            step.scheduled, self.running, self.kv.gpu_tables, step.kv_moves, step.budget.max_tokens, step.metadata
+            step.scheduled,
+            self.running,
+            self.kv.gpu_tables,
+            step.kv_moves,
+            step.budget.max_tokens,
+            step.metadata,
+            follows_step_id=follows,
         )
-        self._inflight = plan
+        if not self.overlap:
+            self._inflight.clear()
+        self._inflight.append(InFlight(plan))
+        if self.overlap:
+            commit_plan(self, plan)
         return plan
 
     def on_step_result(self, result: StepResult, now: float) -> StepOutputs:
-        plan, self._inflight = self._inflight, None
-        if plan is None or result.step_id != plan.step_id:
-            raise RuntimeError(f"step result {result.step_id} does not answer the plan in flight")
+        entry = self._take_inflight(result.step_id)
+        plan = entry.plan
         if result.error is not None:
+            # NOTE: a failed step changed nothing on the worker, and the steps after it are void:
+            # the releases they carried are sent again with the reset's.
+            unapplied = [rid for e in (entry, *self._inflight) for rid in e.plan.release_ids]
             self.reset_worker(now, error_request_id=result.error.request_id, message=result.error.message)
+            self.plans.release_again(unapplied)
             return StepOutputs(finished=self.pop_finished())
+        if self.overlap:
+            out = resolve_step(self, entry, result, now)
+            if out is None:
+                self.reset_worker(now, message=f"step {result.step_id} left out tokens the plan asked for")
+                return StepOutputs(finished=self.pop_finished())
+            return out
         tokens: list[tuple[Request, int]] = []
         running = self.running
         sampled = result.sampled_token_ids
@@ -186,17 +215,52 @@ class Scheduler:
         self.policy.on_step_result(plan, result, now)
         return StepOutputs(tokens, self.pop_finished())
 
+    def _take_inflight(self, step_id: int) -> InFlight:
+        """The plan a result answers: the oldest in flight (or an empty plan, answered at once)."""
+        inflight = self._inflight
+        if inflight and inflight[0].plan.step_id == step_id:
+            return inflight.popleft()
+        if inflight and inflight[-1].plan.step_id == step_id and inflight[-1].plan.is_empty:
+            return inflight.pop()
+        raise RuntimeError(f"step result {step_id} does not answer the plan in flight")
+
+    def is_in_flight(self, step_id: int) -> bool:
+        """The plan is sent and unanswered (False once a failure voided it)."""
+        return any(e.plan.step_id == step_id for e in self._inflight)
+
+    def tokens_in_flight(self, request_id: str) -> int:
+        """Tokens of the request that plans in flight compute (committed ahead under overlap)."""
+        return sum(e.plan.num_scheduled_tokens.get(request_id, 0) for e in self._inflight if request_id not in e.voided)
+
+    def _void(self, req: Request) -> None:
+        """Overlap: the request ended or restarts from scratch: its results from plans in flight
+        are not applied and its placeholders are dropped."""
+        rid = req.request_id
+        for entry in self._inflight:
+            if rid in entry.plan.num_scheduled_tokens:
+                entry.voided.add(rid)
+        req.num_output_tokens -= self.pending_tokens.pop(rid, 0)
+
+    def cache_computed_blocks(self, req: Request, computed: int) -> None:
+        """Registers the full blocks of the request's first `computed` tokens in the prefix cache
+        (after the step that computed them: a block is found only once its KV exists)."""
+        kv = self.kv
+        full = computed // kv.block_size
+        if full > kv.num_registered(req.request_id):
+            kv.cache_blocks(req.request_id, block_hashes(req, kv.block_size, full), full)
+
     def _cache_computed_blocks(self, req: Request) -> None:
-        """Registers the request's newly computed full blocks in the prefix cache (after the
-        step that computed them: a block is found only once its KV exists)."""
         kv = self.kv
         full = req.num_computed_tokens // kv.block_size
         if full > kv.num_registered(req.request_id):
             kv.cache_blocks(req.request_id, block_hashes(req, kv.block_size, full), full)
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        return self.stop_status(req, token, req.num_output_tokens)
+
+    def stop_status(self, req: Request, token: int, n: int) -> RequestStatus | None:
+        """How the request ends after `token`, its n-th output token; None when it goes on."""
         sp = req.sampling
-        n = req.num_output_tokens
         if n >= sp.min_tokens and ((token in req.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids):
             return RequestStatus.FINISHED_STOPPED
         if n >= req.max_tokens or req.num_prompt_tokens + n >= self.config.max_model_len:
@@ -210,7 +274,11 @@ class Scheduler:
 
     @property
     def has_step_in_flight(self) -> bool:
-        return self._inflight is not None
+        return bool(self._inflight)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._inflight)
 
     @property
     def num_unfinished(self) -> int:
@@ -265,6 +333,8 @@ class Scheduler:
         rid = req.request_id
         self._detach(req)
         if mode is PreemptionMode.RECOMPUTE:
+            if self.overlap:
+                self._void(req)
             self.kv.free(rid)
             self.plans.forget(rid)
             req.num_computed_tokens = 0
@@ -294,6 +364,8 @@ class Scheduler:
 
     def return_to_pool(self, req: Request, now: float) -> None:
         rid = req.request_id
+        if self.overlap:
+            self._void(req)
         self._detach(req)
         self.kv.free(rid)
         self.plans.forget(rid)
@@ -322,6 +394,8 @@ class Scheduler:
 
     def end(self, req: Request, status: RequestStatus, now: float, message: str = "") -> None:
         rid = req.request_id
+        if self.overlap:
+            self._void(req)  # NOTE: the extra token of a step in flight is discarded, never streamed
         self._detach(req)
         self.kv.free(rid)
         self.plans.forget(rid)
@@ -345,8 +419,9 @@ class Scheduler:
     # ------------------------------------------------------------------ failures
     def reset_worker(self, now: float, *, error_request_id: str = "", message: str = "") -> None:
         """The worker's state is lost or unreliable: every request it held is recomputed,
-        except the one a failed step blamed, which ends with an error."""
-        self._inflight = None
+        except the one a failed step blamed, which ends with an error. Under overlap every step
+        in flight is void (it was planned on the failed step's outcome)."""
+        self._inflight.clear()
         held = [*self.running.values(), *self.kept.values(), *self.swapped.values()]
         for req in held:
             if req.request_id == error_request_id:
@@ -357,11 +432,12 @@ class Scheduler:
             self.end(self.waiting[error_request_id], RequestStatus.FINISHED_ERROR, now, message)
         self.kv.clear_prefix_cache()  # NOTE: what the worker's cache holds is no longer known
         self.plans.reset()
+        self.pending_tokens.clear()
 
     def evacuate(self, now: float) -> list[Request]:
         """The worker is gone: frees everything and returns its unfinished requests, reset
         to be prefilled again elsewhere (prompt + tokens generated so far)."""
-        self._inflight = None
+        self._inflight.clear()
         out: list[Request] = []
         for req in [*self.running.values(), *self.kept.values(), *self.swapped.values(), *self.waiting.values()]:
             self.return_to_pool(req, now)
@@ -369,6 +445,7 @@ class Scheduler:
         self.returned = [r for r in self.returned if r not in out]
         self.kv.clear_prefix_cache()  # NOTE: a worker that comes back starts with an empty cache
         self.plans.clear()
+        self.pending_tokens.clear()
         return out
 
     def assert_empty(self) -> None:

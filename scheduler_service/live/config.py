@@ -38,6 +38,9 @@ class LiveConfig:
     profile: str | None = opt(None, "a `sluice profile` JSON of the workers: the fitted cost model; none: analytic")
     int8_swap: bool = opt(False, "int8-compress swapped KV (where the workers support it)")
     prefix_caching: bool = opt(True, "automatic prefix caching: reuse the KV of full blocks a request shares")
+    overlap: bool = opt(
+        True, "plan each worker's next step while it runs the current one (overlapped scheduling; --no-overlap: off)"
+    )
     retry_after_s: float = opt(0.5, "the RetryInfo delay given with RESOURCE_EXHAUSTED")
     step_timeout_s: float = opt(30.0, "a worker that takes longer for one step is treated as lost")
     connect_timeout_s: float = opt(60.0, "seconds for Info + Warmup of one worker")

@@ -18,6 +18,10 @@ simulator's step start / completion event pair: the same Cluster calls).
 
 Everything between two awaits is synchronous, so a client's abort or a stop string never
 interleaves with a half-applied step.
+
+With overlap (the default, for `overlap_safe` policies) the loop keeps one step in flight
+ahead of the answers: `StepPipeline` (live/pipeline.py) plans and sends step N+1 before it
+reads the answer to N.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from scheduler_service.cluster import Cluster
 from scheduler_service.core.request import Request
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.observe import LiveMetrics
+from scheduler_service.live.pipeline import StepPipeline
 from scheduler_service.live.remote import RemoteWorker, WarmupOptions, WorkerCapacity, WorkerDiverged, WorkerLost
 from sluice.contract.plan import StepPlan
 from sluice.contract.profile import BatchShape
@@ -87,9 +92,10 @@ class WorkerLoop:
         self._diverged = False  # a divergence was healed and no step has succeeded since
         self._last_contact = live.clock()
         self.retiring = False  # set by retire(): end between two steps
+        self.pipeline = StepPipeline(self)
 
     def retire(self) -> None:
-        """Asks the loop to end after the step in flight (if any) has been delivered."""
+        """Asks the loop to end after the steps in flight (if any) have been delivered."""
         self.retiring = True
         self.wake.set()
 
@@ -100,15 +106,20 @@ class WorkerLoop:
         return min(self.live.config.probe_interval_s, ttl / 4) if ttl > 0 else self.live.config.probe_interval_s
 
     async def run(self) -> None:
-        while not self.live.closing and not self.retiring:
+        while not self.live.closing and (not self.retiring or self.pipeline.num_in_flight):
             if not self.connected:
                 await self._reconnect()
                 continue
             try:
-                await self._wait_for_work()
-                if self.live.closing or self.retiring:
+                if not self.pipeline.num_in_flight:
+                    await self._wait_for_work()
+                # NOTE: a retiring loop plans nothing more but delivers the steps still in flight.
+                if self.live.closing or (self.retiring and not self.pipeline.num_in_flight):
                     return
-                await self._step()
+                if self.live.cluster.overlaps(self.worker_id):
+                    await self.pipeline.turn()
+                else:
+                    await self._step()
             except WorkerDiverged as exc:
                 await self._diverge(exc)
             except WorkerLost as exc:
@@ -151,19 +162,35 @@ class WorkerLoop:
             self.wake.clear()
             await self._sleep()
             return
-        running = cluster.schedulers[w].running
-        for rid in plan.num_scheduled_tokens:
-            live.metrics.on_scheduled(running[rid])
-        shape = step_shape(plan, running) if live.config.record_step_shapes else None
+        shape = self.note_scheduled(plan)
         result = await self.remote.execute(plan)
         now = live.clock()
-        self._last_contact = now
-        self._diverged = False
+        self.on_contact(now)
         out = cluster.complete_step(w, result, now)
         self.num_steps += 1
         await live.deliver(out.tokens, now)
         live.settle()
         self.step_log.append((len(plan.num_scheduled_tokens), time.perf_counter() - started, result.total_s, shape))
+
+    def note_scheduled(self, plan: StepPlan) -> BatchShape | None:
+        """Metrics of a plan about to be sent; its BatchShape when the step log keeps them."""
+        live = self.live
+        running = live.cluster.schedulers[self.worker_id].running
+        committed = live.cluster.overlaps(self.worker_id)  # the counts already include this step
+        for rid, n in plan.num_scheduled_tokens.items():
+            req = running[rid]
+            live.metrics.on_scheduled(req, req.num_computed_tokens - n < req.prefill_len if committed else None)
+        if not live.config.record_step_shapes:
+            return None
+        return step_shape(plan, running, committed=committed)
+
+    def on_contact(self, now: float) -> None:
+        """The worker answered a step."""
+        self._last_contact = now
+        self._diverged = False
+
+    async def sleep_until_due(self) -> None:
+        await self._sleep()
 
     # ------------------------------------------------------------------ failures
     async def _diverge(self, exc: WorkerDiverged) -> None:
@@ -183,6 +210,7 @@ class WorkerLoop:
         log.warning("worker %d: %s; warming it up again", self.worker_id, why)
         self.last_error = why
         await self.remote.close()
+        self.pipeline.clear()
         if await self._resume():
             self.num_resyncs += 1
             log.info("worker %d at %s: new session; its requests recompute on it", self.worker_id, self.remote.address)
@@ -244,12 +272,13 @@ class WorkerLoop:
         self.live.worker_back(self.worker_id)
 
 
-def step_shape(plan: StepPlan, running: dict[str, Request]) -> BatchShape:
+def step_shape(plan: StepPlan, running: dict[str, Request], *, committed: bool = False) -> BatchShape:
     """What the worker computes in this step, as a cost model prices it (the simulated
-    executor derives the same shape from its own state)."""
+    executor derives the same shape from its own state). `committed`: the requests' counts
+    already include this step (overlap commits a plan when it is made)."""
     shape = BatchShape()
     for rid, n in plan.num_scheduled_tokens.items():
-        computed = running[rid].num_computed_tokens
+        computed = running[rid].num_computed_tokens - (n if committed else 0)
         if n == 1 and computed > 0:
             shape.add_decode(computed + 1)
         else:

@@ -97,11 +97,13 @@ class LiveMetrics(MetricsRecorder):
         request.traceparent = trace.traceparent()
         return trace
 
-    def on_scheduled(self, request: Request) -> None:
-        """The request is in this step's batch: its span leaves the queue phase."""
+    def on_scheduled(self, request: Request, prefill: bool | None = None) -> None:
+        """The request is in this step's batch: its span leaves the queue phase. `prefill`: whether
+        the step computes its prefill (given when the plan already committed the step: overlap)."""
         trace = self.traces.get(request.request_id)
         if trace is not None and trace.current_phase != "decode":
-            trace.phase("prefill" if request.is_prefill else "decode")
+            is_prefill = request.is_prefill if prefill is None else prefill
+            trace.phase("prefill" if is_prefill else "decode")
 
     def on_first_token(self, request: Request) -> None:
         trace = self.traces.get(request.request_id)

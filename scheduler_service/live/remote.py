@@ -3,6 +3,7 @@
     connect():      Info (model, limits, EOS) -> Warmup (KV capacity in blocks; the worker's
                     lease: a session id) -> Health -> open the Execute stream with the session
     execute(plan):  PlanSender.encode -> stream.write -> stream.read (step timeout) -> PlanSender.decode
+    send(plan) / receive():  the same, split: overlap writes plan N+1 before reading answer N
     probe():        Health with the session (renews the lease; says whether we still hold it)
     close():        cancel the stream, close the channel
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from dataclasses import dataclass
 
 import grpc
@@ -117,6 +119,7 @@ class RemoteWorker:
         self._channel: grpc.aio.Channel | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
         self._sender = PlanSender()
+        self._sent: deque[StepPlan] = deque()  # plans on the stream not answered yet, oldest first
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -147,6 +150,7 @@ class RemoteWorker:
             raise WorkerLost(f"worker {self.address} is not serving after warmup: {health.message}")
         self._call = stub.Execute(metadata=self.metadata)
         self._sender = PlanSender()
+        self._sent.clear()
         return capacity_from_proto(info, warm)
 
     async def connect_patiently(self, options: WarmupOptions, timeout_s: float) -> WorkerCapacity:
@@ -175,10 +179,56 @@ class RemoteWorker:
             raise WorkerLost(f"worker {self.address}: step {plan.step_id} took over {self.step_timeout_s} s") from exc
         except (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError) as exc:
             raise WorkerLost(f"worker {self.address}: step stream failed: {_describe(exc)}") from exc
+        except asyncio.CancelledError as exc:
+            _raise_if_we_are_cancelled()
+            raise WorkerLost(f"worker {self.address}: the step stream was cancelled") from exc
+        return await self._result(response, plan)
+
+    # Overlapped scheduling: `send` puts a plan on the stream without waiting for its answer,
+    # so the next plan can follow while the worker runs this one; `receive` reads the oldest
+    # answer (the stream answers in order).
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sent)
+
+    async def send(self, plan: StepPlan) -> None:
+        if self._call is None:
+            raise WorkerLost(f"worker {self.address} is not connected")
+        try:
+            async with asyncio.timeout(self.step_timeout_s):
+                await self._call.write(self._sender.encode(plan))
+        except TimeoutError as exc:
+            raise WorkerLost(f"worker {self.address}: step {plan.step_id} could not be sent in time") from exc
+        except (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError) as exc:
+            raise WorkerLost(f"worker {self.address}: step stream failed: {_describe(exc)}") from exc
+        except asyncio.CancelledError as exc:
+            _raise_if_we_are_cancelled()
+            raise WorkerLost(f"worker {self.address}: the step stream was cancelled") from exc
+        self._sent.append(plan)
+
+    async def receive(self) -> StepResult:
+        """The answer to the oldest plan sent; the step timeout counts from now, and the worker
+        runs at most two steps of ours in that time."""
+        if self._call is None or not self._sent:
+            raise WorkerLost(f"worker {self.address}: no step in flight to answer")
+        plan = self._sent.popleft()
+        try:
+            async with asyncio.timeout(self.step_timeout_s):
+                response = await self._call.read()
+        except TimeoutError as exc:
+            raise WorkerLost(f"worker {self.address}: step {plan.step_id} took over {self.step_timeout_s} s") from exc
+        except (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError) as exc:
+            raise WorkerLost(f"worker {self.address}: step stream failed: {_describe(exc)}") from exc
+        except asyncio.CancelledError as exc:
+            _raise_if_we_are_cancelled()
+            raise WorkerLost(f"worker {self.address}: the step stream was cancelled") from exc
+        return await self._result(response, plan)
+
+    async def _result(self, response: object, plan: StepPlan) -> StepResult:
         if response is grpc.aio.EOF:
             raise WorkerLost(f"worker {self.address} closed the step stream: {await self._ending()}")
         try:
-            result = self._sender.decode(response, plan)
+            result = self._sender.decode(response, plan)  # type: ignore[arg-type]
         except ValueError as exc:
             why = f"answered step {plan.step_id} with a malformed result: {exc}"
             raise WorkerLost(f"worker {self.address} {why}") from exc
@@ -227,6 +277,7 @@ class RemoteWorker:
         self.session = None
 
     async def close(self) -> None:
+        self._sent.clear()
         call, self._call = self._call, None
         channel, self._channel = self._channel, None
         if call is not None:
@@ -274,6 +325,14 @@ def hardware_from_proto(hw: worker_pb2.HardwareDescription) -> HardwareSpec:
         return HARDWARE_PRESETS[hw.preset]
     name = hw.name or "unknown device"
     return HardwareSpec(name, hw.peak_flops, hw.memory_bandwidth, hw.memory_bytes, hw.host_link_bandwidth)
+
+
+def _raise_if_we_are_cancelled() -> None:
+    """A CancelledError out of a stream read is the stream's (cancelled under us: the worker is
+    lost for this session) unless our own task is being cancelled, which must go on."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _describe(exc: BaseException) -> str:

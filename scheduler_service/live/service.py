@@ -122,6 +122,7 @@ def cluster_spec(cfg: LiveConfig, caps: Sequence[WorkerCapacity], max_model_len:
         int8_swap=cfg.int8_swap and all(c.int8_swap for c in caps),
         length_source=GivenLengths(),
         prefix_caching=cfg.prefix_caching,
+        overlap=cfg.overlap,
     )
 
 
@@ -392,7 +393,7 @@ class LiveScheduler:
                 stream.end_decoding()
 
     def _push(self, stream: RequestStream, request: Request, token: int, text: str, now: float) -> None:
-        if request.num_output_tokens == 1:
+        if len(request.output_token_ids) == 1:  # NOTE: not num_output_tokens, which counts overlap's placeholders
             self.metrics.on_first_token(request)
         if stream.push(token, text) and not request.status.is_finished:
             self.cluster.finish(request.request_id, RequestStatus.FINISHED_STOPPED, now, "stop string")

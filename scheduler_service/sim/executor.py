@@ -42,6 +42,7 @@ class SimulatedExecutor:
         self.overlap_swap = overlap_swap
         self.computed: dict[str, int] = {}
         self.generated: dict[str, int] = {}
+        self.last_overhead_s = 0.0  # the CPU-overhead part of the last step's total_s
 
     def execute(self, plan: StepPlan) -> StepResult:
         computed, generated = self.computed, self.generated
@@ -76,8 +77,11 @@ class SimulatedExecutor:
         if swap_blocks:
             swap_s += swap_blocks * self.swap_block_s + self.swap_stall_s
         total = max(compute_s, swap_s) if self.overlap_swap else compute_s + swap_s
+        overhead = 0.0
         if shape.num_seqs:
-            total += self.step_overhead_s + self.seq_overhead_s * len(plan.num_scheduled_tokens)
+            overhead = self.step_overhead_s + self.seq_overhead_s * len(plan.num_scheduled_tokens)
+        total += overhead
+        self.last_overhead_s = overhead
         return StepResult(
             step_id=plan.step_id,
             sampled_token_ids=self._sample(plan),

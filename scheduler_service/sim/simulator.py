@@ -8,6 +8,11 @@ places them, and each worker runs the scheduling core with a SimulatedExecutor.
     KV transfer (disaggregated clusters): Cluster.pop_transfers -> SimulatedTransfers prices it
                  on the network link -> complete_transfer at its answer time
 
+With `overlap` (and an overlap_safe policy) a worker holds up to two steps, as the live loop
+does: the next plan is made while the current step runs, so its CPU overhead (the executor's
+overhead model) runs then too; it starts when both the previous step and its own CPU work are
+done: start = max(previous end, planned + overhead), end = start + model time.
+
 Only virtual time advances; the wall time of `schedule()` is measured as the scheduling
 overhead. Every request ends: finished, rejected with a reason, or (if a policy can never
 place it) rejected as unschedulable at the end.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -73,6 +79,11 @@ class SimConfig:
     # CPU time of the serving stack per step outside the model (scheduling, transport,
     # streaming), as Vidur's optional CPU overheads: step_overhead_s + seq_overhead_s x seqs.
     step_overhead_s: float = opt(0.0, "serving-stack CPU time per step outside the model")
+    overlap: bool = opt(
+        False,
+        "overlapped scheduling as the live service does it: a worker's next step is planned while its "
+        "current one runs, so the CPU overhead hides behind the previous step's execution",
+    )
     seq_overhead_s: float = opt(0.0, "serving-stack CPU time per scheduled sequence")
     int8_swap: bool = opt(False, "int8-compress swapped KV (halves swap bytes)")
     # What a swap costs beyond bytes / PCIe bandwidth (vLLM v0): each block is copied per layer,
@@ -239,6 +250,7 @@ class Simulation:
             int8_swap=cfg.int8_swap,
             length_source=length_source,
             prefix_caching=cfg.prefix_caching,
+            overlap=cfg.overlap,
         )
 
     def _workload_tbt_slo(self) -> float | None:
@@ -281,8 +293,11 @@ class Simulation:
         cluster = self.cluster
         events: list[tuple[float, int, int]] = []  # (completion time, seq, worker)
         moving: list[tuple[float, int, KVTransferResult]] = []  # (answer time, seq, KV transfer's answer)
-        busy: dict[int, bool] = dict.fromkeys(cluster.schedulers, False)
-        results: dict[int, StepResult] = {}
+        # per worker, steps planned and not completed, oldest (the running one) first:
+        # (result, when its CPU work is done, its model time)
+        inflight: dict[int, deque[tuple[StepResult, float, float]]] = {w: deque() for w in cluster.schedulers}
+        depth = {w: 2 if cluster.overlaps(w) else 1 for w in cluster.schedulers}
+        cpu_free = dict.fromkeys(cluster.schedulers, 0.0)
         seq = 0
         i = 0
         now = 0.0
@@ -291,15 +306,19 @@ class Simulation:
             next_arrival = float(arrivals[i].arrival_s or 0.0) if i < len(arrivals) else math.inf
             next_done = events[0][0] if events else math.inf
             next_moved = moving[0][0] if moving else math.inf
-            next_wake = self._next_wakeup(now, busy)
+            next_wake = self._next_wakeup(now, {w: len(q) >= depth[w] for w, q in inflight.items()})
             upcoming = min(next_arrival, next_done, next_moved, next_wake)
             if upcoming == math.inf:
                 break  # NOTE: `now` keeps the last event's time for the leftover sweep below
             now = upcoming
             if next_done <= now:
                 _, _, w = heapq.heappop(events)
-                busy[w] = False
-                cluster.complete_step(w, results.pop(w), now)
+                queue = inflight[w]
+                cluster.complete_step(w, queue.popleft()[0], now)
+                if queue:  # the step planned ahead starts now, or when its CPU work is done
+                    _, ready, model_s = queue[0]
+                    heapq.heappush(events, (max(now, ready) + model_s, seq, w))
+                    seq += 1
             elif next_moved <= now:
                 cluster.complete_transfer(heapq.heappop(moving)[2], now)
             elif next_arrival <= now:
@@ -308,11 +327,17 @@ class Simulation:
                 i += 1
             cluster.release_held(now)
             for w in cluster.schedulers:
-                if not busy[w] and cluster.has_work(w):
+                queue = inflight[w]
+                while len(queue) < depth[w] and cluster.has_work(w):
                     plan = cluster.plan_step(w, now)
-                    if plan is not None:
-                        results[w] = result = self.executors[w].execute(plan)
-                        busy[w] = True
+                    if plan is None:
+                        break
+                    executor = self.executors[w]
+                    result = executor.execute(plan)
+                    cpu = executor.last_overhead_s
+                    cpu_free[w] = max(now, cpu_free[w]) + cpu
+                    queue.append((result, cpu_free[w], result.total_s - cpu))
+                    if len(queue) == 1:  # the worker was idle: CPU work, then the step
                         heapq.heappush(events, (now + result.total_s, seq, w))
                         seq += 1
             for transfer in cluster.pop_transfers():
@@ -329,6 +354,7 @@ class Simulation:
         return self._report()
 
     def _next_wakeup(self, now: float, busy: dict[int, bool]) -> float:
+        """`busy`: workers that take no plan now (their steps in flight are as many as they may hold)."""
         due = self.cluster.next_wakeup(now, [w for w, b in busy.items() if not b])
         return due if due is not None and due > now else math.inf
 

@@ -75,6 +75,9 @@ class StepPlan:
     kv_moves: tuple[KVMove, ...] = ()
     token_budget: int = 0  # the policy's budget this step (compute utilization = tokens / budget)
     metadata: Mapping[str, Any] = field(default_factory=dict)  # policy extras; workers ignore them
+    # Overlap: the step still in flight when this plan was made (0: none). Its sampled tokens are
+    # this step's inputs, which the worker knows; if that step failed, this one is void.
+    follows_step_id: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:

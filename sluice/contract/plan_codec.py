@@ -160,6 +160,7 @@ def plan_to_proto(plan: StepPlan, *, same_scheduled_ids: bool = False) -> worker
         release_ids=plan.release_ids,
         kv_moves=[_move_to_proto(m) for m in plan.kv_moves],
         metadata=metadata,
+        follows_step_id=plan.follows_step_id,
         same_scheduled_ids=same_scheduled_ids,
     )
 
@@ -264,6 +265,7 @@ def plan_from_proto(
         kv_moves=tuple(_move_from_proto(i, m) for i, m in enumerate(msg.kv_moves)),
         token_budget=int(budget) if budget.isdigit() else 0,
         metadata=metadata,
+        follows_step_id=msg.follows_step_id,
     )
 
 

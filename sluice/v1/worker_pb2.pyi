@@ -201,7 +201,7 @@ class KvMove(_message.Message):
     def __init__(self, kind: _Optional[_Union[KvMoveKind, str]] = ..., request_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., int8: _Optional[bool] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_ids", "num_scheduled_tokens", "sample", "release_ids", "kv_moves", "metadata", "same_scheduled_ids")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "scheduled_ids", "num_scheduled_tokens", "sample", "release_ids", "kv_moves", "metadata", "same_scheduled_ids", "follows_step_id")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class ExecuteRequest(_message.Message):
     KV_MOVES_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     SAME_SCHEDULED_IDS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: CachedRequests
@@ -229,7 +230,8 @@ class ExecuteRequest(_message.Message):
     kv_moves: _containers.RepeatedCompositeFieldContainer[KvMove]
     metadata: _containers.ScalarMap[str, str]
     same_scheduled_ids: bool
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., release_ids: _Optional[_Iterable[str]] = ..., kv_moves: _Optional[_Iterable[_Union[KvMove, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., same_scheduled_ids: _Optional[bool] = ...) -> None: ...
+    follows_step_id: int
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Union[CachedRequests, _Mapping]] = ..., scheduled_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., sample: _Optional[_Iterable[bool]] = ..., release_ids: _Optional[_Iterable[str]] = ..., kv_moves: _Optional[_Iterable[_Union[KvMove, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., same_scheduled_ids: _Optional[bool] = ..., follows_step_id: _Optional[int] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message", "request_id")

@@ -401,3 +401,63 @@ async def test_an_engine_that_fails_mid_step_turns_not_serving_and_says_why() ->
         assert not status.serving and "TypeError" in status.message
         await stream.close()
     await server.server.stop(None)
+
+
+async def test_plans_sent_ahead_run_in_order_and_one_after_a_failed_step_is_void(
+    worker: Worker, reference: LLMEngine
+) -> None:
+    """Overlapped scheduling: plan N+1 is on the stream before the answer to N is read; when
+    N fails, N+1 (planned on N's outcome) is answered CANCELLED and nothing of it runs."""
+    from dataclasses import replace
+
+    await worker.warmup()
+    warm_reference(reference)
+    call = worker.stub.Execute()
+    sender = PlanSender()
+    first, second, third = opening_plans()
+    pipelined = [first, replace(second, follows_step_id=1), replace(third, follows_step_id=2)]
+    for p in pipelined:
+        await call.write(sender.encode(p))
+    for p in pipelined:
+        answer = sender.decode(await call.read(), p)
+        assert answer.sampled_token_ids == reference.execute(p).sampled_token_ids
+
+    bad = plan(4, {"zz": 1}, sample=["zz"])  # unknown request: the step fails, nothing changes
+    after_bad = replace(next(decode_plans(5, 1)), follows_step_id=4)
+    independent = next(decode_plans(5, 1))  # the same decode, planned after the failure was known
+    independent = replace(independent, step_id=6)
+    for p in (bad, after_bad, independent):
+        await call.write(sender.encode(p))
+    failed = sender.decode(await call.read(), bad)
+    assert failed.error is not None and failed.error.code == "INVALID_ARGUMENT"
+    void = sender.decode(await call.read(), after_bad)
+    assert void.error is not None and void.error.code == "CANCELLED" and "void" in void.error.message
+    ran = sender.decode(await call.read(), independent)
+    assert ran.error is None
+    # the void step did not advance a or b: the next decode is the reference's fifth step
+    assert ran.sampled_token_ids == reference.execute(replace(independent, step_id=5)).sampled_token_ids
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+
+
+async def test_a_step_planned_ahead_leaves_out_a_request_its_predecessor_finished(worker: Worker) -> None:
+    """c reaches max_tokens (1) in step 1; step 2 was planned before the scheduler knew, so it
+    still schedules c: the worker leaves c out and answers a's token only, naming it by id."""
+    from dataclasses import replace
+
+    await worker.warmup()
+    stream = StepStream(worker.stub)
+    short = SamplingParams(temperature=0.0, max_tokens=1)
+    a = new_request("a", PROMPT_B, (0,), GREEDY)
+    c = new_request("c", PROMPT_B, (1,), short)
+    first = await stream.step(plan(1, {"a": 10, "c": 10}, sample=["a", "c"], new=[a, c]))
+    assert first.sampled_token_ids.keys() == {"a", "c"}
+    ahead = replace(plan(2, {"a": 1, "c": 1}, sample=["a", "c"]), follows_step_id=1)
+    second = await stream.step(ahead)
+    assert second.error is None
+    assert second.sampled_token_ids.keys() == {"a"}, "c finished at step 1: no extra token computed"
+    # the scheduler then releases c, and a goes on
+    third = await stream.step(plan(3, {"a": 1}, sample=["a"], release=["c"]))
+    assert third.sampled_token_ids.keys() == {"a"}
+    assert (await worker.stub.Health(worker_pb2.HealthRequest())).num_requests == 1
+    await stream.close()

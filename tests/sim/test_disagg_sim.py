@@ -137,3 +137,13 @@ def test_goodput_per_gpu_is_the_search_rate_over_the_gpus(cost_model) -> None:
     held = [rate for rate, ok in result.capacity.probes if ok]
     assert max(held) == result.rate_req_s
     assert result.capacity.run_at_capacity.metrics["slo_attainment_req"] >= 0.9
+
+
+def test_overlap_asked_of_a_disaggregated_cluster_runs_it_one_step_at_a_time(cost_model, arxiv) -> None:
+    # a prefill worker hands a request off when its prefill is answered; a plan made one step
+    # ahead would have scheduled its decode already, so the pools never plan ahead
+    plain = run(cost_model, arxiv, step_overhead_s=0.002)
+    asked = run(cost_model, arxiv, step_overhead_s=0.002, overlap=True)
+    finished_all(asked, arxiv)
+    assert asked.metrics["jct_s"] == plain.metrics["jct_s"]
+    assert asked.details["disagg"] == plain.details["disagg"]

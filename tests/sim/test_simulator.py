@@ -139,3 +139,24 @@ def test_swap_costs_add_a_per_block_copy_cost_and_a_stall_to_each_swapping_step(
     )
     assert cheap.details["swap_bytes"] > 0
     assert costly.metrics["jct_s"]["mean"] > cheap.metrics["jct_s"]["mean"]
+def test_overlap_hides_the_cpu_overhead_behind_the_previous_step(cost_model: CostModel) -> None:
+    """Overlapped scheduling: each step is planned while the previous one runs, so a CPU
+    overhead shorter than a step costs only the first step from idle; one extra step (planned
+    ahead of the request's last token, its token discarded) runs at the end."""
+    one = apply_arrivals(load_trace("sharegpt", num_requests=1), "poisson", rate=1.0, seed=0)
+    policy = "sarathi:budget=512"
+    base = simulate(SimConfig(policy=policy), one, cost_model)
+    slow = simulate(SimConfig(policy=policy, step_overhead_s=0.003), one, cost_model)
+    hidden = simulate(SimConfig(policy=policy, step_overhead_s=0.003, overlap=True), one, cost_model)
+    steps = base.details["num_steps"]
+    assert hidden.details["num_steps"] == steps + 1
+    assert hidden.metrics["num_finished"] == 1
+    assert hidden.metrics["jct_s"]["p50"] - base.metrics["jct_s"]["p50"] == pytest.approx(0.003, abs=1e-6)
+    assert slow.metrics["jct_s"]["p50"] - base.metrics["jct_s"]["p50"] == pytest.approx(steps * 0.003, abs=1e-6)
+
+
+def test_overlap_in_the_simulator_finishes_every_request_of_a_trace(cost_model: CostModel, sharegpt: Workload) -> None:
+    base = simulate(SimConfig(policy="vllm", step_overhead_s=0.002), sharegpt, cost_model)
+    over = simulate(SimConfig(policy="vllm", step_overhead_s=0.002, overlap=True), sharegpt, cost_model)
+    assert over.metrics["num_finished"] == base.metrics["num_finished"]
+    assert over.metrics["jct_s"]["p50"] < base.metrics["jct_s"]["p50"]

@@ -32,6 +32,7 @@ from scheduler_service.policies.common import (
 @POLICIES.register("vllm")
 class VLLMPolicy(Policy):
     name = "vllm"
+    overlap_safe = True  # no state between schedule and on_step_result
     config_cls = ContinuousBatchingConfig
     config: ContinuousBatchingConfig
 

@@ -46,6 +46,7 @@ class ChunkedConfig(ContinuousBatchingConfig):
 @POLICIES.register("vllm_chunked")
 class ChunkedPrefillPolicy(Policy):
     name = "vllm_chunked"
+    overlap_safe = True  # no state between schedule and on_step_result
     config_cls = ChunkedConfig
     config: ChunkedConfig
 
