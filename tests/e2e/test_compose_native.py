@@ -348,7 +348,9 @@ async def test_the_compose_stack_started_natively_serves_a_bench(tmp_path: Path)
         )
         assert int(keys.stdout.strip()) > 0, "the predictor wrote to Redis"
     finally:
-        stack.stop()
+        # in a thread: the services flush their last spans as they exit, and the receiver
+        # answering them runs on this event loop, which a blocking wait would stall
+        await asyncio.to_thread(stack.stop)
         if receiver is not None:
             # spans are exported in batches and flushed when each service exits
             await receiver.stop(grace=1.0)
