@@ -200,6 +200,27 @@ class PagedKVCache:
         self._scatter_gpu(dst_ids, self._gather_gpu(src_ids))
         return len(src_ids) * self.spec.bytes_per_block
 
+    # -- KV transfer between workers (disaggregated prefill and decode) --------------------
+
+    def transfer_bytes_per_block(self, int8: bool) -> int:
+        return self.spec.int8_bytes_per_block if int8 else self.spec.bytes_per_block
+
+    def export_blocks(self, gpu_ids: Sequence[int], int8: bool) -> torch.Tensor:
+        """GPU blocks as host rows of bytes, [len(ids), transfer_bytes_per_block] uint8, in the
+        swap format (a block's layers, K and V contiguous; int8: codes then scales)."""
+        data = self._gather_gpu(gpu_ids)
+        packed = self._pack_int8(data) if int8 else data.view(torch.uint8).reshape(len(gpu_ids), -1)
+        return packed.cpu()
+
+    def import_blocks(self, gpu_ids: Sequence[int], packed: torch.Tensor, int8: bool) -> None:
+        """Writes rows `export_blocks` made (on any worker of the same model) into GPU blocks."""
+        expected = (len(gpu_ids), self.transfer_bytes_per_block(int8))
+        if tuple(packed.shape) != expected:
+            raise ValueError(f"KV rows of shape {tuple(packed.shape)}, expected {expected}")
+        packed = packed.to(self.device)
+        data = self._unpack_int8(packed) if int8 else packed.view(self.spec.dtype).view(-1, *self.spec.block_shape)
+        self._scatter_gpu(gpu_ids, data)
+
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
         # NOTE: non-blocking: a blocking copy would wait on the swap stream, i.e. for the
         # device-to-host copies earlier steps left running there.

@@ -1,0 +1,268 @@
+"""Worker-to-worker KV transfer (disaggregated prefill and decode): OfferKv, PullKv, ReadKv.
+
+    scheduler --OfferKv(blocks, int8)--> prefill worker          (lease)  -> one-time token
+    scheduler --PullKv(peer, token, dst blocks)--> decode worker  (lease)
+        decode worker --ReadKv(token as x-sluice-kv-token)--> prefill worker
+        <-- KvChunk stream: runs of blocks, in the swap format (`PagedKVCache.export_blocks`)
+        each chunk written into the decode worker's blocks as it arrives
+    scheduler <-- PullKvResponse(blocks, bytes, seconds)
+
+Who may touch the KV: OfferKv and PullKv need the worker's lease, as Execute does, so only
+the scheduler driving both workers starts a transfer. ReadKv needs no lease (the decode worker
+does not hold the prefill worker's session, and must not: it would let it drive that worker);
+its capability is the token OfferKv minted: random, bound to the offered blocks, readable once,
+lapsing after `ttl_s` or at the next Warmup, compared in constant time. Nobody else can read
+the offered KV, and nobody can write a worker's KV but its own lease holder (PullKv).
+
+Reads and writes go through the EngineRunner's lock one chunk at a time, on the event loop
+(a chunk of about 1 MiB is a copy of a millisecond or so), so steps keep running between
+chunks: a transfer overlaps the prefill worker's next prefill and the decode worker's decodes.
+The decode worker refuses (ABORTED) to write blocks that a request it holds owns: the
+scheduler reserved them for this request, so such a write means the two have diverged.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+import warnings
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+import torch
+
+from sluice.common.grpc_server import KEEPALIVE
+from sluice.common.security import PLAINTEXT, ClientSecurity
+from sluice.v1 import worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:  # NOTE: server.py imports this module; these are for the annotations only
+    from kvstore.paged import PagedKVCache
+    from worker_service.engine import LLMEngine
+    from worker_service.server import EngineRunner
+
+TOKEN_KEY = "x-sluice-kv-token"
+DEFAULT_OFFER_TTL_S = 30.0
+MAX_OFFER_TTL_S = 600.0
+CHUNK_BYTES = 2**20  # about this much per streamed chunk when the caller does not say
+
+
+class TransferRefused(Exception):
+    """A transfer call refused; `code` is the gRPC status name to answer with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    request_id: str
+    block_ids: tuple[int, ...]
+    int8: bool
+    expires_at: float
+
+
+class KVOffers:
+    """The prefill worker's open offers, by one-time token."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._offers: dict[str, Offer] = {}
+
+    def __len__(self) -> int:
+        return len(self._offers)
+
+    def add(self, request_id: str, block_ids: Sequence[int], int8: bool, ttl_s: float) -> str:
+        self._expire()
+        token = secrets.token_urlsafe(24)
+        self._offers[token] = Offer(request_id, tuple(block_ids), int8, self.clock() + ttl_s)
+        return token
+
+    def take(self, presented: str | None) -> Offer:
+        """The offer of `presented`, removed (a token reads once); TransferRefused otherwise."""
+        self._expire()
+        if presented is None:
+            raise TransferRefused(
+                "FAILED_PRECONDITION", f"{TOKEN_KEY} metadata missing: send the token OfferKv answered"
+            )
+        for token in list(self._offers):
+            if secrets.compare_digest(token.encode(), presented.encode()):
+                return self._offers.pop(token)
+        raise TransferRefused(
+            "PERMISSION_DENIED", f"{TOKEN_KEY}: no open offer has this token (read already, lapsed, or never made)"
+        )
+
+    def clear(self) -> None:
+        self._offers.clear()
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for token in [t for t, o in self._offers.items() if o.expires_at <= now]:
+            del self._offers[token]
+
+
+def token_of(metadata: Sequence[tuple[str, object]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key == TOKEN_KEY:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return None
+
+
+def check_block_ids(block_ids: Sequence[int], num_gpu_blocks: int, field: str) -> None:
+    if not block_ids:
+        raise TransferRefused("INVALID_ARGUMENT", f"{field}: at least one block")
+    if len(set(block_ids)) != len(block_ids):
+        raise TransferRefused("INVALID_ARGUMENT", f"{field}: a block appears twice")
+    bad = [b for b in block_ids if b >= num_gpu_blocks]
+    if bad:
+        raise TransferRefused(
+            "INVALID_ARGUMENT", f"{field}: block {bad[0]} out of range (the cache has {num_gpu_blocks})"
+        )
+
+
+def offer_ttl(ttl_s: float) -> float:
+    if ttl_s == 0:
+        return DEFAULT_OFFER_TTL_S
+    if not 0 < ttl_s <= MAX_OFFER_TTL_S or math.isnan(ttl_s):
+        raise TransferRefused("INVALID_ARGUMENT", f"ttl_s: must be in (0, {MAX_OFFER_TTL_S:g}], got {ttl_s}")
+    return ttl_s
+
+
+def _rows(data: bytes, num_blocks: int) -> torch.Tensor:
+    """A chunk's bytes as [num_blocks, bytes per block] uint8, without a copy."""
+    with warnings.catch_warnings():
+        # NOTE: the tensor views the message's immutable bytes; it is only read (copied into
+        # the cache), so torch's warning about non-writable arrays does not apply.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).reshape(num_blocks, -1))
+
+
+def default_blocks_per_chunk(bytes_per_block: int) -> int:
+    return max(1, CHUNK_BYTES // max(bytes_per_block, 1))
+
+
+class KVTransferHandler:
+    """The three transfer calls over one worker's engine runner (the servicer checks the lease).
+
+    `runner` is the server's EngineRunner (engine, lock, readiness); `peer_security` dials
+    peers (TLS and the API key a peer wants, the same a scheduler would present)."""
+
+    def __init__(self, runner: EngineRunner, peer_security: ClientSecurity = PLAINTEXT) -> None:
+        self.runner = runner
+        self.offers = KVOffers()
+        self.peer_security = peer_security
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    @property
+    def _engine(self) -> LLMEngine:
+        return self.runner.engine
+
+    def _cache(self) -> PagedKVCache:
+        cache = self._engine.cache
+        if not self.runner.ready or cache is None:
+            raise TransferRefused("UNAVAILABLE", self.runner.not_ready_reason or "no KV cache")
+        return cache
+
+    # -- prefill side ------------------------------------------------------------------------
+
+    def offer(self, request: worker_pb2.OfferKvRequest) -> worker_pb2.OfferKvResponse:
+        cache = self._cache()
+        check_block_ids(request.block_ids, cache.num_gpu_blocks, "block_ids")
+        if request.int8 and not cache.spec.supports_int8:
+            raise TransferRefused("INVALID_ARGUMENT", "int8: this worker's KV cache cannot be sent as int8")
+        ttl_s = offer_ttl(request.ttl_s)
+        token = self.offers.add(request.request_id, request.block_ids, request.int8, ttl_s)
+        nbytes = len(request.block_ids) * cache.transfer_bytes_per_block(request.int8)
+        return worker_pb2.OfferKvResponse(token=token, nbytes=nbytes)
+
+    async def read(self, token: str | None, blocks_per_chunk: int) -> AsyncIterator[worker_pb2.KvChunk]:
+        """The chunks of the offer `token` opens (TransferRefused before the first one)."""
+        cache = self._cache()
+        if blocks_per_chunk < 1:
+            raise TransferRefused("INVALID_ARGUMENT", "blocks_per_chunk: must be >= 1")
+        offer = self.offers.take(token)
+        return self._chunks(cache, offer, blocks_per_chunk)
+
+    async def _chunks(self, cache: PagedKVCache, offer: Offer, per_chunk: int) -> AsyncIterator[worker_pb2.KvChunk]:
+        ids = offer.block_ids
+        for first in range(0, len(ids), per_chunk):
+            part = ids[first : first + per_chunk]
+            rows = await self.runner.call_inline(cache.export_blocks, part, offer.int8)
+            yield worker_pb2.KvChunk(first=first, num_blocks=len(part), int8=offer.int8, data=rows.numpy().tobytes())
+
+    # -- decode side -------------------------------------------------------------------------
+
+    async def pull(self, request: worker_pb2.PullKvRequest, timeout_s: float | None) -> worker_pb2.PullKvResponse:
+        cache = self._cache()
+        dst = list(request.block_ids)
+        check_block_ids(dst, cache.num_gpu_blocks, "block_ids")
+        self._check_unowned(dst)
+        if not request.peer_address:
+            raise TransferRefused("INVALID_ARGUMENT", "peer_address: the prefill worker's host:port is required")
+        if not request.token:
+            raise TransferRefused("INVALID_ARGUMENT", "token: the token OfferKv answered is required")
+        per_chunk = request.blocks_per_chunk or default_blocks_per_chunk(cache.spec.bytes_per_block)
+        stub = worker_pb2_grpc.WorkerServiceStub(self._channel(request.peer_address))
+        metadata = (*self.peer_security.metadata, (TOKEN_KEY, request.token))
+        start = time.perf_counter()
+        nbytes = written = 0
+        try:
+            read = worker_pb2.ReadKvRequest(blocks_per_chunk=per_chunk)
+            call = stub.ReadKv(read, metadata=metadata, timeout=timeout_s)
+            async for chunk in call:
+                part = dst[chunk.first : chunk.first + chunk.num_blocks]
+                if chunk.first != written or len(part) != chunk.num_blocks:
+                    raise TransferRefused(
+                        "DATA_LOSS",
+                        f"the peer sent blocks {chunk.first}..+{chunk.num_blocks}, expected {written} of {len(dst)}",
+                    )
+                rows = _rows(chunk.data, chunk.num_blocks)
+                await self.runner.call_inline(self._write, part, rows, chunk.int8)
+                written += chunk.num_blocks
+                nbytes += len(chunk.data)
+        except grpc.aio.AioRpcError as exc:
+            raise TransferRefused(
+                "UNAVAILABLE", f"reading the KV from {request.peer_address} failed: {exc.code().name}: {exc.details()}"
+            ) from exc
+        if written != len(dst):
+            raise TransferRefused("DATA_LOSS", f"the peer sent {written} blocks, block_ids has {len(dst)}")
+        return worker_pb2.PullKvResponse(num_blocks=written, nbytes=nbytes, transfer_s=time.perf_counter() - start)
+
+    def _write(self, dst: list[int], rows: torch.Tensor, int8: bool) -> None:
+        # NOTE: checked again per chunk, under the engine's lock: a step between two chunks
+        # may have admitted a request (a diverged scheduler); never overwrite its KV.
+        self._check_unowned(dst)
+        try:
+            self._engine.cache.import_blocks(dst, rows, int8)
+        except ValueError as exc:
+            raise TransferRefused("DATA_LOSS", f"the peer's KV does not fit this worker's cache: {exc}") from exc
+
+    def _check_unowned(self, dst: Sequence[int]) -> None:
+        holders = self._engine.book.gpu_holders
+        owned = [b for b in dst if holders.get(b)]
+        if owned:
+            owner = next(iter(holders[owned[0]]))
+            raise TransferRefused(
+                "ABORTED", f"block_ids: block {owned[0]} belongs to request {owner!r}, which this worker holds"
+            )
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self.peer_security.channel(address, KEEPALIVE.channel_options())
+            self._channels[address] = channel
+        return channel
+
+    def reset(self) -> None:
+        """A Warmup: the cache is new, so every offer of the old one lapses."""
+        self.offers.clear()
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
