@@ -208,9 +208,15 @@ class PagedKVCache:
     def export_blocks(self, gpu_ids: Sequence[int], int8: bool) -> torch.Tensor:
         """GPU blocks as host rows of bytes, [len(ids), transfer_bytes_per_block] uint8, in the
         swap format (a block's layers, K and V contiguous; int8: codes then scales)."""
-        data = self._gather_gpu(gpu_ids)
-        packed = self._pack_int8(data) if int8 else data.view(torch.uint8).reshape(len(gpu_ids), -1)
-        return packed.cpu()
+        if int8:
+            return self._pack_int8(self._gather_gpu(gpu_ids)).cpu()
+        # NOTE: one copy per run of consecutive blocks, straight into block-major rows (an
+        # index gather, then a permute, would copy every byte twice; on a CPU worker, where
+        # this is a memory copy racing the wire, that halved the transfer's bandwidth).
+        out = torch.empty((len(gpu_ids), *self.spec.block_shape), dtype=self.spec.dtype, device=self.device)
+        for pos, first, n in _runs(list(gpu_ids)):
+            out[pos : pos + n].copy_(self.kv[:, :, first : first + n].permute(2, 0, 1, 3, 4, 5))
+        return out.view(torch.uint8).reshape(len(gpu_ids), -1).cpu()
 
     def import_blocks(self, gpu_ids: Sequence[int], packed: torch.Tensor, int8: bool) -> None:
         """Writes rows `export_blocks` made (on any worker of the same model) into GPU blocks."""
@@ -218,8 +224,12 @@ class PagedKVCache:
         if tuple(packed.shape) != expected:
             raise ValueError(f"KV rows of shape {tuple(packed.shape)}, expected {expected}")
         packed = packed.to(self.device)
-        data = self._unpack_int8(packed) if int8 else packed.view(self.spec.dtype).view(-1, *self.spec.block_shape)
-        self._scatter_gpu(gpu_ids, data)
+        if int8:
+            self._scatter_gpu(gpu_ids, self._unpack_int8(packed))
+            return
+        data = packed.view(self.spec.dtype).view(-1, *self.spec.block_shape)
+        for pos, first, n in _runs(list(gpu_ids)):
+            self.kv[:, :, first : first + n].copy_(data[pos : pos + n].permute(1, 2, 0, 3, 4, 5))
 
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
         # NOTE: non-blocking: a blocking copy would wait on the swap stream, i.e. for the
