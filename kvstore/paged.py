@@ -205,18 +205,20 @@ class PagedKVCache:
     def transfer_bytes_per_block(self, int8: bool) -> int:
         return self.spec.int8_bytes_per_block if int8 else self.spec.bytes_per_block
 
-    def export_blocks(self, gpu_ids: Sequence[int], int8: bool) -> torch.Tensor:
-        """GPU blocks as host rows of bytes, [len(ids), transfer_bytes_per_block] uint8, in the
-        swap format (a block's layers, K and V contiguous; int8: codes then scales)."""
+    def export_blocks(self, gpu_ids: Sequence[int], int8: bool) -> bytes:
+        """GPU blocks as bytes: len(ids) rows of transfer_bytes_per_block, in the swap format
+        (a block's layers, K and V contiguous; int8: codes then scales)."""
         if int8:
-            return self._pack_int8(self._gather_gpu(gpu_ids)).cpu()
-        # NOTE: one copy per run of consecutive blocks, straight into block-major rows (an
-        # index gather, then a permute, would copy every byte twice; on a CPU worker, where
-        # this is a memory copy racing the wire, that halved the transfer's bandwidth).
-        out = torch.empty((len(gpu_ids), *self.spec.block_shape), dtype=self.spec.dtype, device=self.device)
-        for pos, first, n in _runs(list(gpu_ids)):
-            out[pos : pos + n].copy_(self.kv[:, :, first : first + n].permute(2, 0, 1, 3, 4, 5))
-        return out.view(torch.uint8).reshape(len(gpu_ids), -1).cpu()
+            return self._pack_int8(self._gather_gpu(gpu_ids)).cpu().numpy().tobytes()
+        # NOTE: on a CPU the bytes are copied once, straight from the cache into the message
+        # (numpy's tobytes walks the strided block-major view of each run of blocks); a
+        # gather, a permute and tobytes would copy every byte three times, and on a CPU
+        # worker each copy races the wire for the same memory bandwidth.
+        parts = []
+        for _, first, n in _runs(list(gpu_ids)):
+            run = self.kv[:, :, first : first + n].permute(2, 0, 1, 3, 4, 5)
+            parts.append((run.contiguous().cpu() if self.is_cuda else run).view(torch.uint8).numpy().tobytes())
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def import_blocks(self, gpu_ids: Sequence[int], packed: torch.Tensor, int8: bool) -> None:
         """Writes rows `export_blocks` made (on any worker of the same model) into GPU blocks."""

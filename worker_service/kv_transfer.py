@@ -37,7 +37,7 @@ import torch
 
 from sluice.common.grpc_server import KEEPALIVE
 from sluice.common.security import PLAINTEXT, ClientSecurity
-from sluice.v1 import worker_pb2, worker_pb2_grpc
+from sluice.v1 import worker_pb2
 
 if TYPE_CHECKING:  # NOTE: server.py imports this module; these are for the annotations only
     from kvstore.paged import PagedKVCache
@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # NOTE: server.py imports this module; these are for the anno
     from worker_service.server import EngineRunner
 
 TOKEN_KEY = "x-sluice-kv-token"
+READ_KV_METHOD = "/sluice.v1.WorkerService/ReadKv"
 DEFAULT_OFFER_TTL_S = 30.0
 MAX_OFFER_TTL_S = 600.0
 CHUNK_BYTES = 2**20  # about this much per streamed chunk when the caller does not say
@@ -133,7 +134,70 @@ def offer_ttl(ttl_s: float) -> float:
     return ttl_s
 
 
-def _rows(data: bytes, num_blocks: int) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class ChunkView:
+    """A KvChunk whose data is a view of the received message, not a copy of it."""
+
+    first: int
+    num_blocks: int
+    int8: bool
+    data: memoryview
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def parse_chunk(message: bytes) -> ChunkView:
+    """Decodes a serialized KvChunk (the ReadKv response) without copying its data.
+
+    NOTE: protobuf's parser copies the data into the message and again on each read of the
+    field; at a megabyte per chunk those two copies cost as much as the transfer's own copy
+    into the cache. The wire format is KvChunk's, so any other client reads it with protobuf.
+    """
+    buf = memoryview(message)
+    fields: dict[int, int] = {}
+    data = buf[0:0]
+    pos = 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            fields[number], pos = _varint(buf, pos)
+        elif wire_type == 2:
+            length, pos = _varint(buf, pos)
+            if number == 4:
+                data = buf[pos : pos + length]
+            pos += length
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+        else:
+            raise ValueError(f"KvChunk: unsupported wire type {wire_type} of field {number}")
+    if pos != len(buf):
+        raise ValueError("KvChunk: truncated message")
+    return ChunkView(fields.get(1, 0), fields.get(2, 0), bool(fields.get(3, 0)), data)
+
+
+def chunk_spans(block_ids: Sequence[int], per_chunk: int) -> list[tuple[int, int]]:
+    """(position, length) of each chunk: at most per_chunk blocks, and no chunk spans a gap in
+    the block ids, so each chunk is one run of the cache, copied once (PagedKVCache.export_blocks)."""
+    spans: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1 or i - start == per_chunk:
+            spans.append((start, i - start))
+            start = i
+    return spans
+
+
+def _rows(data: bytes | memoryview, num_blocks: int) -> torch.Tensor:
     """A chunk's bytes as [num_blocks, bytes per block] uint8, without a copy."""
     with warnings.catch_warnings():
         # NOTE: the tensor views the message's immutable bytes; it is only read (copied into
@@ -190,10 +254,9 @@ class KVTransferHandler:
 
     async def _chunks(self, cache: PagedKVCache, offer: Offer, per_chunk: int) -> AsyncIterator[worker_pb2.KvChunk]:
         ids = offer.block_ids
-        for first in range(0, len(ids), per_chunk):
-            part = ids[first : first + per_chunk]
-            rows = await self.runner.call_inline(cache.export_blocks, part, offer.int8)
-            yield worker_pb2.KvChunk(first=first, num_blocks=len(part), int8=offer.int8, data=rows.numpy().tobytes())
+        for first, n in chunk_spans(ids, per_chunk):
+            data = await self.runner.call_inline(cache.export_blocks, ids[first : first + n], offer.int8)
+            yield worker_pb2.KvChunk(first=first, num_blocks=n, int8=offer.int8, data=data)
 
     # -- decode side -------------------------------------------------------------------------
 
@@ -207,13 +270,17 @@ class KVTransferHandler:
         if not request.token:
             raise TransferRefused("INVALID_ARGUMENT", "token: the token OfferKv answered is required")
         per_chunk = request.blocks_per_chunk or default_blocks_per_chunk(cache.spec.bytes_per_block)
-        stub = worker_pb2_grpc.WorkerServiceStub(self._channel(request.peer_address))
+        read_kv = self._channel(request.peer_address).unary_stream(
+            READ_KV_METHOD,
+            request_serializer=worker_pb2.ReadKvRequest.SerializeToString,
+            response_deserializer=parse_chunk,
+        )
         metadata = (*self.peer_security.metadata, (TOKEN_KEY, request.token))
         start = time.perf_counter()
         nbytes = written = 0
         try:
             read = worker_pb2.ReadKvRequest(blocks_per_chunk=per_chunk)
-            call = stub.ReadKv(read, metadata=metadata, timeout=timeout_s)
+            call = read_kv(read, metadata=metadata, timeout=timeout_s)
             async for chunk in call:
                 part = dst[chunk.first : chunk.first + chunk.num_blocks]
                 if chunk.first != written or len(part) != chunk.num_blocks:

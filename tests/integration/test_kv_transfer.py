@@ -23,7 +23,7 @@ from sluice.contract.plan_codec import PlanSender
 from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine
-from worker_service.kv_transfer import TOKEN_KEY
+from worker_service.kv_transfer import TOKEN_KEY, chunk_spans, parse_chunk
 from worker_service.server import EngineRunner, build_server
 
 torch.set_num_threads(1)
@@ -299,3 +299,25 @@ async def test_prefill_worker_dying_mid_transfer_fails_the_pull(pair: tuple[Work
     prefill_worker, _ = pair
     pulled = await transfer(prefill_worker, decode_worker, range(12), range(12), per_chunk=4)
     assert pulled.num_blocks == 12
+
+
+def test_chunks_never_span_a_gap_in_the_block_ids() -> None:
+    assert chunk_spans([0, 1, 2, 3, 4, 7, 8, 9, 20], 2) == [(0, 2), (2, 2), (4, 1), (5, 2), (7, 1), (8, 1)]
+    assert chunk_spans(list(range(7)), 3) == [(0, 3), (3, 3), (6, 1)]
+
+
+def test_chunk_parser_reads_what_protobuf_writes() -> None:
+    data = bytes(range(256)) * 300
+    for msg in (
+        worker_pb2.KvChunk(first=70000, num_blocks=3, int8=True, data=data),
+        worker_pb2.KvChunk(num_blocks=1, data=b"x"),  # first 0 and int8 false are not on the wire
+    ):
+        view = parse_chunk(msg.SerializeToString())
+        assert (view.first, view.num_blocks, view.int8, bytes(view.data)) == (
+            msg.first,
+            msg.num_blocks,
+            msg.int8,
+            msg.data,
+        )
+    with pytest.raises(ValueError, match="truncated"):
+        parse_chunk(worker_pb2.KvChunk(num_blocks=1, data=data).SerializeToString()[:-1])
