@@ -209,7 +209,7 @@ def main() -> None:
         "--chunk-bytes",
         type=int,
         nargs="+",
-        default=[2**20, 4 * 2**20],
+        default=[2**20, 4 * 2**20, 16 * 2**20],
         help="bytes per streamed chunk (rounded to blocks)",
     )
     parser.add_argument("--int8", action="store_true", help="also transfer int8-quantized")

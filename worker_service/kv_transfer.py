@@ -3,7 +3,7 @@
     scheduler --OfferKv(blocks, int8)--> prefill worker          (lease)  -> one-time token
     scheduler --PullKv(peer, token, dst blocks)--> decode worker  (lease)
         decode worker --ReadKv(token as x-sluice-kv-token)--> prefill worker
-        <-- KvChunk stream: runs of blocks, in the swap format (`PagedKVCache.export_blocks`)
+        <-- ReadKvResponse stream: runs of blocks, in the swap format (`PagedKVCache.export_blocks`)
         each chunk written into the decode worker's blocks as it arrives
     scheduler <-- PullKvResponse(blocks, bytes, seconds)
 
@@ -15,7 +15,7 @@ lapsing after `ttl_s` or at the next Warmup, compared in constant time. Nobody e
 the offered KV, and nobody can write a worker's KV but its own lease holder (PullKv).
 
 Reads and writes go through the EngineRunner's lock one chunk at a time, on the event loop
-(a chunk of about 1 MiB is a copy of a millisecond or so), so steps keep running between
+(a chunk of about 4 MiB is a copy of a few milliseconds), so steps keep running between
 chunks: a transfer overlaps the prefill worker's next prefill and the decode worker's decodes.
 The decode worker refuses (ABORTED) to write blocks that a request it holds owns: the
 scheduler reserved them for this request, so such a write means the two have diverged.
@@ -45,10 +45,11 @@ if TYPE_CHECKING:  # NOTE: server.py imports this module; these are for the anno
     from worker_service.server import EngineRunner
 
 TOKEN_KEY = "x-sluice-kv-token"
-READ_KV_METHOD = "/sluice.v1.WorkerService/ReadKv"
+SERVICE = "sluice.v1.WorkerService"
+READ_KV_METHOD = f"/{SERVICE}/ReadKv"
 DEFAULT_OFFER_TTL_S = 30.0
 MAX_OFFER_TTL_S = 600.0
-CHUNK_BYTES = 2**20  # about this much per streamed chunk when the caller does not say
+CHUNK_BYTES = 4 * 2**20  # about this much per streamed chunk when the caller does not say (benchmarks/kv_transfer.py)
 
 
 class TransferRefused(Exception):
@@ -136,7 +137,7 @@ def offer_ttl(ttl_s: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class ChunkView:
-    """A KvChunk whose data is a view of the received message, not a copy of it."""
+    """A ReadKvResponse whose data is a view of the received message, not a copy of it."""
 
     first: int
     num_blocks: int
@@ -156,11 +157,11 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 
 def parse_chunk(message: bytes) -> ChunkView:
-    """Decodes a serialized KvChunk (the ReadKv response) without copying its data.
+    """Decodes a serialized ReadKvResponse (one chunk) without copying its data.
 
     NOTE: protobuf's parser copies the data into the message and again on each read of the
     field; at a megabyte per chunk those two copies cost as much as the transfer's own copy
-    into the cache. The wire format is KvChunk's, so any other client reads it with protobuf.
+    into the cache. The wire format is ReadKvResponse's, so any other client reads it with protobuf.
     """
     buf = memoryview(message)
     fields: dict[int, int] = {}
@@ -179,10 +180,40 @@ def parse_chunk(message: bytes) -> ChunkView:
         elif wire_type in (1, 5):
             pos += 8 if wire_type == 1 else 4
         else:
-            raise ValueError(f"KvChunk: unsupported wire type {wire_type} of field {number}")
+            raise ValueError(f"ReadKvResponse: unsupported wire type {wire_type} of field {number}")
     if pos != len(buf):
-        raise ValueError("KvChunk: truncated message")
+        raise ValueError("ReadKvResponse: truncated message")
     return ChunkView(fields.get(1, 0), fields.get(2, 0), bool(fields.get(3, 0)), data)
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_chunk(first: int, num_blocks: int, int8: bool, data: bytes) -> bytes:
+    """A serialized ReadKvResponse, the data copied once (protobuf copies it into the message,
+    then again when serializing it)."""
+    header = worker_pb2.ReadKvResponse(first=first, num_blocks=num_blocks, int8=int8).SerializeToString()
+    return b"".join((header, b"\x22", _encode_varint(len(data)), data))  # 0x22: field 4, length-delimited
+
+
+def add_read_kv_handler(server: grpc.aio.Server, read_kv: Callable[..., AsyncIterator[bytes]]) -> None:
+    """Registers ReadKv with a pass-through serializer, for a handler that yields `encode_chunk`
+    bytes. Call after the generated servicer's registration: a registered handler takes
+    precedence over the generic one, and the last registration of a method wins."""
+    handler = grpc.unary_stream_rpc_method_handler(
+        read_kv, request_deserializer=worker_pb2.ReadKvRequest.FromString, response_serializer=_same_bytes
+    )
+    server.add_registered_method_handlers(SERVICE, {"ReadKv": handler})
+
+
+def _same_bytes(message: bytes) -> bytes:
+    return message
 
 
 def chunk_spans(block_ids: Sequence[int], per_chunk: int) -> list[tuple[int, int]]:
@@ -244,7 +275,7 @@ class KVTransferHandler:
         nbytes = len(request.block_ids) * cache.transfer_bytes_per_block(request.int8)
         return worker_pb2.OfferKvResponse(token=token, nbytes=nbytes)
 
-    async def read(self, token: str | None, blocks_per_chunk: int) -> AsyncIterator[worker_pb2.KvChunk]:
+    async def read(self, token: str | None, blocks_per_chunk: int) -> AsyncIterator[bytes]:
         """The chunks of the offer `token` opens (TransferRefused before the first one)."""
         cache = self._cache()
         if blocks_per_chunk < 1:
@@ -252,11 +283,11 @@ class KVTransferHandler:
         offer = self.offers.take(token)
         return self._chunks(cache, offer, blocks_per_chunk)
 
-    async def _chunks(self, cache: PagedKVCache, offer: Offer, per_chunk: int) -> AsyncIterator[worker_pb2.KvChunk]:
+    async def _chunks(self, cache: PagedKVCache, offer: Offer, per_chunk: int) -> AsyncIterator[bytes]:
         ids = offer.block_ids
         for first, n in chunk_spans(ids, per_chunk):
             data = await self.runner.call_inline(cache.export_blocks, ids[first : first + n], offer.int8)
-            yield worker_pb2.KvChunk(first=first, num_blocks=n, int8=offer.int8, data=data)
+            yield encode_chunk(first, n, offer.int8, data)
 
     # -- decode side -------------------------------------------------------------------------
 

@@ -58,7 +58,7 @@ from sluice.contract.plan_codec import PlanReceiver, error_result, result_to_pro
 from sluice.contract.sampling import InvalidRequestError, SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine, StepPlanError
-from worker_service.kv_transfer import KVTransferHandler, TransferRefused, token_of
+from worker_service.kv_transfer import KVTransferHandler, TransferRefused, add_read_kv_handler, token_of
 from worker_service.lease import DEFAULT_LEASE_TTL_S, Lease, LeaseError, session_of
 
 log = logging.getLogger(__name__)
@@ -468,8 +468,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def ReadKv(
         self, request: worker_pb2.ReadKvRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.KvChunk]:
-        # NOTE: no lease: the one-time token OfferKv minted is the capability (kv_transfer.py).
+    ) -> AsyncIterator[bytes]:
+        # NOTE: no lease: the one-time token OfferKv minted is the capability (kv_transfer.py);
+        # yields serialized ReadKvResponse messages (add_read_kv_handler registers the method).
         try:
             chunks = await self.kv.read(token_of(context.invocation_metadata()), request.blocks_per_chunk)
         except TransferRefused as exc:
@@ -539,6 +540,11 @@ class WorkerServerOptions:
     peer_security: ClientSecurity = PLAINTEXT  # how this worker dials a peer's ReadKv
 
 
+def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    add_read_kv_handler(server, servicer.ReadKv)
+
+
 def build_server(
     engine: LLMEngine,
     port: int,
@@ -564,7 +570,7 @@ def build_server(
     )
     return GrpcServer.build(
         SERVICE_NAME,
-        lambda server: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server),
+        lambda server: _add_worker_servicer(servicer, server),
         host,
         port,
         health_servicer=health_servicer,

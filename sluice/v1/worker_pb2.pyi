@@ -353,7 +353,7 @@ class ReadKvRequest(_message.Message):
     blocks_per_chunk: int
     def __init__(self, blocks_per_chunk: _Optional[int] = ...) -> None: ...
 
-class KvChunk(_message.Message):
+class ReadKvResponse(_message.Message):
     __slots__ = ("first", "num_blocks", "int8", "data")
     FIRST_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]

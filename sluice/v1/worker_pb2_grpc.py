@@ -83,7 +83,7 @@ class WorkerServiceStub:
         self.ReadKv = channel.unary_stream(
                 '/sluice.v1.WorkerService/ReadKv',
                 request_serializer=sluice_dot_v1_dot_worker__pb2.ReadKvRequest.SerializeToString,
-                response_deserializer=sluice_dot_v1_dot_worker__pb2.KvChunk.FromString,
+                response_deserializer=sluice_dot_v1_dot_worker__pb2.ReadKvResponse.FromString,
                 _registered_method=True)
 
 
@@ -211,7 +211,7 @@ def add_WorkerServiceServicer_to_server(servicer, server):
             'ReadKv': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadKv,
                     request_deserializer=sluice_dot_v1_dot_worker__pb2.ReadKvRequest.FromString,
-                    response_serializer=sluice_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
+                    response_serializer=sluice_dot_v1_dot_worker__pb2.ReadKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,7 +440,7 @@ class WorkerService:
             target,
             '/sluice.v1.WorkerService/ReadKv',
             sluice_dot_v1_dot_worker__pb2.ReadKvRequest.SerializeToString,
-            sluice_dot_v1_dot_worker__pb2.KvChunk.FromString,
+            sluice_dot_v1_dot_worker__pb2.ReadKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

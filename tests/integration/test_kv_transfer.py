@@ -23,7 +23,7 @@ from sluice.contract.plan_codec import PlanSender
 from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine
-from worker_service.kv_transfer import TOKEN_KEY, chunk_spans, parse_chunk
+from worker_service.kv_transfer import TOKEN_KEY, chunk_spans, encode_chunk, parse_chunk
 from worker_service.server import EngineRunner, build_server
 
 torch.set_num_threads(1)
@@ -197,6 +197,11 @@ async def test_tokens_identical_colocated_and_disaggregated(pair: tuple[Worker, 
     assert prefill_worker.engine.num_requests == decode_worker.engine.num_requests == 0
 
 
+async def test_warmup_sets_the_role_info_reports(pair: tuple[Worker, Worker]) -> None:
+    roles = [(await w.raw.Info(worker_pb2.InfoRequest())).capabilities.role for w in pair]
+    assert roles == [worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE]
+
+
 async def test_int8_transfer_is_within_the_quantization_bound(pair: tuple[Worker, Worker]) -> None:
     prefill_worker, decode_worker = pair
     steps = Steps(prefill_worker)
@@ -309,8 +314,8 @@ def test_chunks_never_span_a_gap_in_the_block_ids() -> None:
 def test_chunk_parser_reads_what_protobuf_writes() -> None:
     data = bytes(range(256)) * 300
     for msg in (
-        worker_pb2.KvChunk(first=70000, num_blocks=3, int8=True, data=data),
-        worker_pb2.KvChunk(num_blocks=1, data=b"x"),  # first 0 and int8 false are not on the wire
+        worker_pb2.ReadKvResponse(first=70000, num_blocks=3, int8=True, data=data),
+        worker_pb2.ReadKvResponse(num_blocks=1, data=b"x"),  # first 0 and int8 false are not on the wire
     ):
         view = parse_chunk(msg.SerializeToString())
         assert (view.first, view.num_blocks, view.int8, bytes(view.data)) == (
@@ -320,4 +325,11 @@ def test_chunk_parser_reads_what_protobuf_writes() -> None:
             msg.data,
         )
     with pytest.raises(ValueError, match="truncated"):
-        parse_chunk(worker_pb2.KvChunk(num_blocks=1, data=data).SerializeToString()[:-1])
+        parse_chunk(worker_pb2.ReadKvResponse(num_blocks=1, data=data).SerializeToString()[:-1])
+
+
+def test_chunk_encoder_writes_what_protobuf_reads() -> None:
+    data = bytes(range(256)) * 300
+    for first, num_blocks, int8 in ((70000, 3, True), (0, 1, False)):
+        msg = worker_pb2.ReadKvResponse.FromString(encode_chunk(first, num_blocks, int8, data))
+        assert (msg.first, msg.num_blocks, msg.int8, msg.data) == (first, num_blocks, int8, data)
