@@ -286,7 +286,7 @@ class KVTransferHandler:
     async def _chunks(self, cache: PagedKVCache, offer: Offer, per_chunk: int) -> AsyncIterator[bytes]:
         ids = offer.block_ids
         for first, n in chunk_spans(ids, per_chunk):
-            data = await self.runner.call_inline(cache.export_blocks, ids[first : first + n], offer.int8)
+            data = await self.runner.call_inline(self._export, cache, ids[first : first + n], offer.int8)
             yield encode_chunk(first, n, offer.int8, data)
 
     # -- decode side -------------------------------------------------------------------------
@@ -309,9 +309,8 @@ class KVTransferHandler:
         metadata = (*self.peer_security.metadata, (TOKEN_KEY, request.token))
         start = time.perf_counter()
         nbytes = written = 0
+        call = read_kv(worker_pb2.ReadKvRequest(blocks_per_chunk=per_chunk), metadata=metadata, timeout=timeout_s)
         try:
-            read = worker_pb2.ReadKvRequest(blocks_per_chunk=per_chunk)
-            call = read_kv(read, metadata=metadata, timeout=timeout_s)
             async for chunk in call:
                 part = dst[chunk.first : chunk.first + chunk.num_blocks]
                 if chunk.first != written or len(part) != chunk.num_blocks:
@@ -320,23 +319,37 @@ class KVTransferHandler:
                         f"the peer sent blocks {chunk.first}..+{chunk.num_blocks}, expected {written} of {len(dst)}",
                     )
                 rows = _rows(chunk.data, chunk.num_blocks)
-                await self.runner.call_inline(self._write, part, rows, chunk.int8)
+                await self.runner.call_inline(self._write, cache, part, rows, chunk.int8)
                 written += chunk.num_blocks
                 nbytes += len(chunk.data)
         except grpc.aio.AioRpcError as exc:
             raise TransferRefused(
                 "UNAVAILABLE", f"reading the KV from {request.peer_address} failed: {exc.code().name}: {exc.details()}"
             ) from exc
+        finally:
+            call.cancel()  # a no-op once the stream ended; else the peer stops reading the cache
         if written != len(dst):
             raise TransferRefused("DATA_LOSS", f"the peer sent {written} blocks, block_ids has {len(dst)}")
         return worker_pb2.PullKvResponse(num_blocks=written, nbytes=nbytes, transfer_s=time.perf_counter() - start)
 
-    def _write(self, dst: list[int], rows: torch.Tensor, int8: bool) -> None:
+    def _export(self, cache: PagedKVCache, ids: Sequence[int], int8: bool) -> bytes:
+        self._check_same_cache(cache)
+        return cache.export_blocks(ids, int8)
+
+    def _check_same_cache(self, cache: PagedKVCache) -> None:
+        # NOTE: a Warmup between two chunks (the lease holder starting over) builds a new
+        # cache; reading on would send the new session's KV to the old session's peer, and
+        # writing on would put the old session's KV into the new one's blocks.
+        if self._engine.cache is not cache:
+            raise TransferRefused("ABORTED", "the worker was warmed up again during the transfer")
+
+    def _write(self, cache: PagedKVCache, dst: list[int], rows: torch.Tensor, int8: bool) -> None:
         # NOTE: checked again per chunk, under the engine's lock: a step between two chunks
         # may have admitted a request (a diverged scheduler); never overwrite its KV.
+        self._check_same_cache(cache)
         self._check_unowned(dst)
         try:
-            self._engine.cache.import_blocks(dst, rows, int8)
+            cache.import_blocks(dst, rows, int8)
         except ValueError as exc:
             raise TransferRefused("DATA_LOSS", f"the peer's KV does not fit this worker's cache: {exc}") from exc
 

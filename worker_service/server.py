@@ -475,8 +475,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             chunks = await self.kv.read(token_of(context.invocation_metadata()), request.blocks_per_chunk)
         except TransferRefused as exc:
             await context.abort(grpc.StatusCode[exc.code], exc.message)
-        async for chunk in chunks:
-            yield chunk
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except TransferRefused as exc:  # the worker was warmed up again meanwhile
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
 
     async def _step(self, msg: worker_pb2.ExecuteRequest, receiver: PlanReceiver) -> worker_pb2.ExecuteResponse:
         received = time.perf_counter()

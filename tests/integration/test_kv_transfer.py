@@ -47,11 +47,13 @@ class GatedRunner(EngineRunner):
         self.chunks_read = 0
 
     async def call_inline(self, fn: Callable[..., T], *args: Any) -> T:
-        if getattr(fn, "__name__", "") == "export_blocks":
+        if getattr(fn, "__name__", "") == "_export":  # KVTransferHandler reading one chunk
             if self.chunks_read and not self.gate.is_set():
                 self.held.set()
                 await self.gate.wait()
+            result = await super().call_inline(fn, *args)
             self.chunks_read += 1
+            return result
         return await super().call_inline(fn, *args)
 
 
@@ -333,3 +335,25 @@ def test_chunk_encoder_writes_what_protobuf_reads() -> None:
     for first, num_blocks, int8 in ((70000, 3, True), (0, 1, False)):
         msg = worker_pb2.ReadKvResponse.FromString(encode_chunk(first, num_blocks, int8, data))
         assert (msg.first, msg.num_blocks, msg.int8, msg.data) == (first, num_blocks, int8, data)
+
+
+async def test_a_warmup_during_a_transfer_ends_it(pair: tuple[Worker, Worker]) -> None:
+    _, decode_worker = pair
+    src = await start_worker(6, worker_pb2.WORKER_ROLE_PREFILL)
+    try:
+        offer = await src.stub.OfferKv(worker_pb2.OfferKvRequest(block_ids=tuple(range(6))))
+        src.runner.gate.clear()
+        request = worker_pb2.PullKvRequest(
+            peer_address=src.address, token=offer.token, block_ids=tuple(range(6)), blocks_per_chunk=2
+        )
+        pull = asyncio.ensure_future(decode_worker.stub.PullKv(request))
+        await asyncio.wait_for(src.runner.held.wait(), 30)
+        # the lease holder starts over: the new cache's KV must never reach the old offer's reader
+        await src.stub.Warmup(worker_pb2.WarmupRequest(num_gpu_blocks_override=NUM_GPU_BLOCKS, swap_space_gib=0.001))
+        src.runner.gate.set()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pull
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "warmed up again" in err.value.details()
+        assert src.runner.chunks_read == 1
+    finally:
+        await src.stop()
