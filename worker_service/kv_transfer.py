@@ -258,9 +258,9 @@ class KVTransferHandler:
         return self.runner.engine
 
     def _cache(self) -> PagedKVCache:
-        cache = self._engine.cache
+        cache = getattr(self._engine, "cache", None)  # NOTE: the echo engine keeps no KV
         if not self.runner.ready or cache is None:
-            raise TransferRefused("UNAVAILABLE", self.runner.not_ready_reason or "no KV cache")
+            raise TransferRefused("UNAVAILABLE", self.runner.not_ready_reason or "this worker's engine keeps no KV")
         return cache
 
     # -- prefill side ------------------------------------------------------------------------

@@ -154,7 +154,7 @@ class WorkerServiceServicer:
     def PullKv(self, request, context):
         """On the decode worker: dials the prefill worker at peer_address, reads the offered KV
         (ReadKv, with the token) and writes it into block_ids, which no request the worker holds
-        may own (ABORTED otherwise). Needs the lease. UNAVAILABLE when the peer cannot be read
+        may own (ABORTED otherwise, and when a Warmup rebuilds the cache meanwhile). Needs the lease. UNAVAILABLE when the peer cannot be read
         (it died, the token lapsed); the blocks then hold nothing the scheduler relies on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -3,7 +3,7 @@ prefilled on one worker and decoded on another after OfferKv / PullKv produces e
 greedy tokens of serving it on one worker; the bytes arrive intact (int8 within its bound);
 only the lease holder starts a transfer and only the one-time token reads the KV; a decode
 worker never overwrites a held request's blocks; a prefill worker dying mid-transfer fails
-the pull (UNAVAILABLE) and leaves the decode worker serving."""
+the pull (UNAVAILABLE) and leaves the decode worker serving; a Warmup mid-transfer ends it."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ import torch
 from harness import LeasedStub
 
 from sluice.common.grpc_server import CHANNEL_OPTIONS, GrpcServer
+from sluice.common.security import ApiKeys, ClientSecurity, ServerSecurity, bearer_metadata
 from sluice.contract.plan import CachedRequestData, NewRequestData, StepPlan
 from sluice.contract.plan_codec import PlanSender
 from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine
 from worker_service.kv_transfer import TOKEN_KEY, chunk_spans, encode_chunk, parse_chunk
-from worker_service.server import EngineRunner, build_server
+from worker_service.server import EngineRunner, WorkerServerOptions, build_server
 
 torch.set_num_threads(1)
 
@@ -75,17 +76,25 @@ class Worker:
         await self.server.server.stop(None)
 
 
-async def start_worker(worker_id: int, role: int = worker_pb2.WORKER_ROLE_MIXED) -> Worker:
+async def start_worker(worker_id: int, role: int = worker_pb2.WORKER_ROLE_MIXED, api_key: str | None = None) -> Worker:
+    """A tiny-llama worker, warmed up; with `api_key`, it requires the key and presents it to peers."""
     engine = LLMEngine(EngineConfig(model="tiny-llama", load_format="dummy", seed=0))
     runner = GatedRunner(engine)
-    server = build_server(engine, 0, worker_id=worker_id, runner=runner)
+    options = WorkerServerOptions()
+    if api_key is not None:
+        options = WorkerServerOptions(
+            ServerSecurity(api_keys=ApiKeys((api_key,))), peer_security=ClientSecurity(api_key=api_key)
+        )
+    server = build_server(engine, 0, worker_id=worker_id, runner=runner, options=options)
     await server.start(ready=False)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS)
     raw = worker_pb2_grpc.WorkerServiceStub(channel)
+    bearer = bearer_metadata(api_key)
     warm = await raw.Warmup(
-        worker_pb2.WarmupRequest(num_gpu_blocks_override=NUM_GPU_BLOCKS, swap_space_gib=0.001, role=role)
+        worker_pb2.WarmupRequest(num_gpu_blocks_override=NUM_GPU_BLOCKS, swap_space_gib=0.001, role=role),
+        metadata=bearer,
     )
-    return Worker(engine, runner, server, channel, LeasedStub(raw, warm.session_id), raw)
+    return Worker(engine, runner, server, channel, LeasedStub(raw, warm.session_id, bearer), raw)
 
 
 @pytest.fixture(scope="module")
@@ -357,3 +366,22 @@ async def test_a_warmup_during_a_transfer_ends_it(pair: tuple[Worker, Worker]) -
         assert src.runner.chunks_read == 1
     finally:
         await src.stop()
+
+
+async def test_with_api_keys_the_decode_worker_presents_its_key_to_the_peer() -> None:
+    src = await start_worker(7, worker_pb2.WORKER_ROLE_PREFILL, api_key="deployment-key")
+    dst = await start_worker(8, worker_pb2.WORKER_ROLE_DECODE, api_key="deployment-key")
+    try:
+        pulled = await transfer(src, dst, (0, 1), (2, 3))
+        assert pulled.num_blocks == 2
+        assert torch.equal(blocks_of(dst, (2, 3)), blocks_of(src, (0, 1)))
+        offer = await src.stub.OfferKv(worker_pb2.OfferKvRequest(block_ids=(0,)))
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the token alone is not enough without the key
+            async for _ in src.raw.ReadKv(
+                worker_pb2.ReadKvRequest(blocks_per_chunk=1), metadata=((TOKEN_KEY, offer.token),)
+            ):
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await src.stop()
+        await dst.stop()
