@@ -23,6 +23,7 @@ scheduler reserved them for this request, so such a write means the two have div
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 import time
@@ -43,6 +44,8 @@ if TYPE_CHECKING:  # NOTE: server.py imports this module; these are for the anno
     from kvstore.paged import PagedKVCache
     from worker_service.engine import LLMEngine
     from worker_service.server import EngineRunner
+
+log = logging.getLogger(__name__)
 
 TOKEN_KEY = "x-sluice-kv-token"
 SERVICE = "sluice.v1.WorkerService"
@@ -281,6 +284,7 @@ class KVTransferHandler:
         if blocks_per_chunk < 1:
             raise TransferRefused("INVALID_ARGUMENT", "blocks_per_chunk: must be >= 1")
         offer = self.offers.take(token)
+        log.debug("a peer reads the KV of %s: %d blocks (int8 %s)", offer.request_id, len(offer.block_ids), offer.int8)
         return self._chunks(cache, offer, blocks_per_chunk)
 
     async def _chunks(self, cache: PagedKVCache, offer: Offer, per_chunk: int) -> AsyncIterator[bytes]:
@@ -372,8 +376,3 @@ class KVTransferHandler:
     def reset(self) -> None:
         """A Warmup: the cache is new, so every offer of the old one lapses."""
         self.offers.clear()
-
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
