@@ -319,7 +319,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 swap=True,
                 int8_swap=self.runner.engine.spec.supports_int8,
                 async_swap=info.device.startswith("cuda"),  # D2H copies on their own stream
-                role=self.role,
+                # NOTE: the role of the live session only: a scheduler reading Info before its own
+                # Warmup must not take a role an earlier session asked for as this worker's.
+                role=self.role if self.lease.live() else worker_pb2.WORKER_ROLE_MIXED,
                 sampling=SAMPLING_METHODS,
             ),
             version=sluice_version(),

@@ -211,6 +211,13 @@ async def test_tokens_identical_colocated_and_disaggregated(pair: tuple[Worker, 
 async def test_warmup_sets_the_role_info_reports(pair: tuple[Worker, Worker]) -> None:
     roles = [(await w.raw.Info(worker_pb2.InfoRequest())).capabilities.role for w in pair]
     assert roles == [worker_pb2.WORKER_ROLE_PREFILL, worker_pb2.WORKER_ROLE_DECODE]
+    worker = await start_worker(9, worker_pb2.WORKER_ROLE_PREFILL)
+    try:
+        await worker.stub.Release(worker_pb2.ReleaseRequest(end_lease=True))
+        # the role was that session's: the next scheduler's Info must not read it as the worker's
+        assert (await worker.raw.Info(worker_pb2.InfoRequest())).capabilities.role == worker_pb2.WORKER_ROLE_MIXED
+    finally:
+        await worker.stop()
 
 
 async def test_int8_transfer_is_within_the_quantization_bound(pair: tuple[Worker, Worker]) -> None:
