@@ -200,6 +200,39 @@ class PagedKVCache:
         self._scatter_gpu(dst_ids, self._gather_gpu(src_ids))
         return len(src_ids) * self.spec.bytes_per_block
 
+    # -- KV transfer between workers (disaggregated prefill and decode) --------------------
+
+    def transfer_bytes_per_block(self, int8: bool) -> int:
+        return self.spec.int8_bytes_per_block if int8 else self.spec.bytes_per_block
+
+    def export_blocks(self, gpu_ids: Sequence[int], int8: bool) -> bytes:
+        """GPU blocks as bytes: len(ids) rows of transfer_bytes_per_block, in the swap format
+        (a block's layers, K and V contiguous; int8: codes then scales)."""
+        if int8:
+            return self._pack_int8(self._gather_gpu(gpu_ids)).cpu().numpy().tobytes()
+        # NOTE: on a CPU the bytes are copied once, straight from the cache into the message
+        # (numpy's tobytes walks the strided block-major view of each run of blocks); a
+        # gather, a permute and tobytes would copy every byte three times, and on a CPU
+        # worker each copy races the wire for the same memory bandwidth.
+        parts = []
+        for _, first, n in _runs(list(gpu_ids)):
+            run = self.kv[:, :, first : first + n].permute(2, 0, 1, 3, 4, 5)
+            parts.append((run.contiguous().cpu() if self.is_cuda else run).view(torch.uint8).numpy().tobytes())
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def import_blocks(self, gpu_ids: Sequence[int], packed: torch.Tensor, int8: bool) -> None:
+        """Writes rows `export_blocks` made (on any worker of the same model) into GPU blocks."""
+        expected = (len(gpu_ids), self.transfer_bytes_per_block(int8))
+        if tuple(packed.shape) != expected:
+            raise ValueError(f"KV rows of shape {tuple(packed.shape)}, expected {expected}")
+        packed = packed.to(self.device)
+        if int8:
+            self._scatter_gpu(gpu_ids, self._unpack_int8(packed))
+            return
+        data = packed.view(self.spec.dtype).view(-1, *self.spec.block_shape)
+        for pos, first, n in _runs(list(gpu_ids)):
+            self.kv[:, :, first : first + n].copy_(data[pos : pos + n].permute(1, 2, 0, 3, 4, 5))
+
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
         # NOTE: non-blocking: a blocking copy would wait on the swap stream, i.e. for the
         # device-to-host copies earlier steps left running there.

@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 
 from sluice.common.config import add_config_arguments, config_from, opt, subset
-from sluice.common.security import SecurityConfig, ServerSecurity, redacted
+from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted
 from worker_service.engine import EngineConfig
 from worker_service.lease import DEFAULT_LEASE_TTL_S
 from worker_service.server import WarmupDefaults, WorkerServerOptions
@@ -71,7 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         factory = partial(EchoEngine, step_time_s=cfg.echo_step_ms / 1e3, async_device=cfg.echo_async_device)
     engine_config, defaults = subset(EngineConfig, cfg), subset(WarmupDefaults, cfg)
     try:
-        options = WorkerServerOptions(ServerSecurity.from_config(cfg), cfg.health_port, cfg.lease_ttl_s)
+        security = ServerSecurity.from_config(cfg)
+        # NOTE: a decode worker reads a peer's KV (ReadKv) with the deployment's own TLS files
+        # and its first API key: workers of one deployment share their security settings.
+        peer_key = security.api_keys.keys[0] if security.api_keys is not None else None
+        peer = ClientSecurity.from_config(cfg, peer_key)
+        options = WorkerServerOptions(security, cfg.health_port, cfg.lease_ttl_s, peer_security=peer)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     server = serve(

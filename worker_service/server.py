@@ -49,7 +49,7 @@ from opentelemetry.trace import StatusCode
 from sluice.common.config import opt
 from sluice.common.grpc_server import KEEPALIVE, NOT_SERVING, SERVING, GrpcServer, Keepalive
 from sluice.common.prom import WorkerMetrics, start_metrics_server
-from sluice.common.security import ServerSecurity
+from sluice.common.security import PLAINTEXT, ClientSecurity, ServerSecurity
 from sluice.common.telemetry import TraceparentTable, setup_tracing, shutdown_tracing, step_span, tracing_enabled
 from sluice.common.version import sluice_version
 from sluice.contract.limits import token_budget
@@ -59,6 +59,7 @@ from sluice.contract.sampling import InvalidRequestError, SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine import EngineConfig, LLMEngine, StepPlanError
 from worker_service.finished_filter import FinishedFilter
+from worker_service.kv_transfer import KVTransferHandler, TransferRefused, add_read_kv_handler, token_of
 from worker_service.lease import DEFAULT_LEASE_TTL_S, Lease, LeaseError, session_of
 from worker_service.step_reader import Incoming, StepReader
 
@@ -316,8 +317,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         defaults: WarmupDefaults,
         lease: Lease | None = None,
         metrics: WorkerMetrics | None = None,
+        peer_security: ClientSecurity = PLAINTEXT,
     ) -> None:
         self.runner = runner
+        self.kv = KVTransferHandler(runner, peer_security)  # worker-to-worker KV (worker_service/kv_transfer.py)
+        self.role = worker_pb2.WORKER_ROLE_MIXED
         self.metrics = metrics
         self.health = health_servicer
         self.worker_id = worker_id
@@ -342,7 +346,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 swap=True,
                 int8_swap=self.runner.engine.spec.supports_int8,
                 async_swap=info.device.startswith("cuda"),  # D2H copies on their own stream
-                role=worker_pb2.WORKER_ROLE_MIXED,
+                # NOTE: the role of the live session only: a scheduler reading Info before its own
+                # Warmup must not take a role an earlier session asked for as this worker's.
+                role=self.role if self.lease.live() else worker_pb2.WORKER_ROLE_MIXED,
                 sampling=SAMPLING_METHODS,
             ),
             version=sluice_version(),
@@ -393,6 +399,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             # clean slate; whatever the worker held belongs to the previous session.
             log.warning("warmup forgets the %d requests the worker holds", engine.num_requests)
         self.traceparents.clear()
+        self.kv.reset()
+        self.role = request.role or worker_pb2.WORKER_ROLE_MIXED
         self.runner.warmed_up = False
         await self._publish_readiness()
         start = time.perf_counter()
@@ -483,6 +491,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             lease_holder=holder,
         )
 
+    async def OfferKv(
+        self, request: worker_pb2.OfferKvRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.OfferKvResponse:
+        await self._check_lease(context, session_of(context.invocation_metadata()))
+        try:
+            return self.kv.offer(request)
+        except TransferRefused as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+
+    async def PullKv(
+        self, request: worker_pb2.PullKvRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PullKvResponse:
+        await self._check_lease(context, session_of(context.invocation_metadata()))
+        try:
+            return await self.kv.pull(request, context.time_remaining())
+        except TransferRefused as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+
+    async def ReadKv(
+        self, request: worker_pb2.ReadKvRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        # NOTE: no lease: the one-time token OfferKv minted is the capability (kv_transfer.py);
+        # yields serialized ReadKvResponse messages (add_read_kv_handler registers the method).
+        try:
+            chunks = await self.kv.read(token_of(context.invocation_metadata()), request.blocks_per_chunk)
+        except TransferRefused as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except TransferRefused as exc:  # the worker was warmed up again meanwhile
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+
     async def _step(self, incoming: Incoming, finished: FinishedFilter) -> worker_pb2.ExecuteResponse:
         received = time.perf_counter()
         msg, plan = incoming.msg, incoming.plan
@@ -548,6 +589,12 @@ class WorkerServerOptions:
     health_port: int | None = None
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     keepalive: Keepalive = KEEPALIVE
+    peer_security: ClientSecurity = PLAINTEXT  # how this worker dials a peer's ReadKv
+
+
+def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    add_read_kv_handler(server, servicer.ReadKv)
 
 
 def build_server(
@@ -570,10 +617,12 @@ def build_server(
     if runner.engine is not engine:
         raise ValueError("runner wraps a different engine")
     lease = Lease(options.lease_ttl_s)
-    servicer = WorkerServicer(runner, health_servicer, worker_id, defaults or WarmupDefaults(), lease, metrics)
+    servicer = WorkerServicer(
+        runner, health_servicer, worker_id, defaults or WarmupDefaults(), lease, metrics, options.peer_security
+    )
     return GrpcServer.build(
         SERVICE_NAME,
-        lambda server: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server),
+        lambda server: _add_worker_servicer(servicer, server),
         host,
         port,
         health_servicer=health_servicer,

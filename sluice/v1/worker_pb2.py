@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from sluice.v1 import common_pb2 as sluice_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/worker.proto\x12\tsluice.v1\x1a\x16sluice/v1/common.proto\"\r\n\x0bInfoRequest\"\x99\x01\n\x12WorkerCapabilities\x12\x17\n\x0f\x63hunked_prefill\x18\x01 \x01(\x08\x12\x0c\n\x04swap\x18\x02 \x01(\x08\x12\x11\n\tint8_swap\x18\x03 \x01(\x08\x12\x12\n\nasync_swap\x18\x04 \x01(\x08\x12#\n\x04role\x18\x05 \x01(\x0e\x32\x15.sluice.v1.WorkerRole\x12\x10\n\x08sampling\x18\x06 \x03(\t\"\xfc\x02\n\x0cInfoResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0cmodel_family\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x33\n\x0c\x63\x61pabilities\x18\n \x01(\x0b\x32\x1d.sluice.v1.WorkerCapabilities\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x11\n\twarmed_up\x18\x0c \x01(\x08\x12\x34\n\x10model_dimensions\x18\r \x01(\x0b\x32\x1a.sluice.v1.ModelDimensions\x12\x30\n\x08hardware\x18\x0e \x01(\x0b\x32\x1e.sluice.v1.HardwareDescription\"\xa6\x01\n\x0fModelDimensions\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x11\n\tnum_heads\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x19\n\x11intermediate_size\x18\x05 \x01(\r\x12\x11\n\tgated_mlp\x18\x06 \x01(\x08\x12\x13\n\x0b\x64type_bytes\x18\x07 \x01(\r\"\x94\x01\n\x13HardwareDescription\x12\x0e\n\x06preset\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\npeak_flops\x18\x03 \x01(\x01\x12\x18\n\x10memory_bandwidth\x18\x04 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x01\x12\x1b\n\x13host_link_bandwidth\x18\x06 \x01(\x01\"\xbf\x01\n\rWarmupRequest\x12\x1e\n\x16gpu_memory_utilization\x18\x01 \x01(\x01\x12\x16\n\x0eswap_space_gib\x18\x02 \x01(\x01\x12\x1e\n\x16max_num_batched_tokens\x18\x03 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r\x12$\n\x17num_gpu_blocks_override\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x1a\n\x18_num_gpu_blocks_override\"\xc7\x01\n\x0eWarmupResponse\x12\x16\n\x0enum_gpu_blocks\x18\x01 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x04 \x01(\x04\x12\x10\n\x08warmup_s\x18\x05 \x01(\x01\x12\x1d\n\x15peak_activation_bytes\x18\x06 \x01(\x04\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x08 \x01(\x01\"\xce\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x7f\n\x0e\x43\x61\x63hedRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12*\n\rnew_block_ids\x18\x02 \x03(\x0b\x32\x13.sluice.v1.BlockIds\x12\x0f\n\x07resumed\x18\x03 \x03(\x08\x12\x1b\n\x13num_computed_tokens\x18\x04 \x03(\r\"}\n\x06KvMove\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.sluice.v1.KvMoveKind\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x15\n\rsrc_block_ids\x18\x03 \x03(\r\x12\x15\n\rdst_block_ids\x18\x04 \x03(\r\x12\x0c\n\x04int8\x18\x05 \x01(\x08\"\xa2\x03\n\x0e\x45xecuteRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x15.sluice.v1.NewRequest\x12\x32\n\x0f\x63\x61\x63hed_requests\x18\x03 \x01(\x0b\x32\x19.sluice.v1.CachedRequests\x12\x15\n\rscheduled_ids\x18\x04 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\r\x12\x0e\n\x06sample\x18\x06 \x03(\x08\x12\x13\n\x0brelease_ids\x18\x07 \x03(\t\x12#\n\x08kv_moves\x18\x08 \x03(\x0b\x32\x11.sluice.v1.KvMove\x12\x39\n\x08metadata\x18\t \x03(\x0b\x32\'.sluice.v1.ExecuteRequest.MetadataEntry\x12\x1a\n\x12same_scheduled_ids\x18\n \x01(\x08\x12\x17\n\x0f\x66ollows_step_id\x18\x0f \x01(\x04\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\">\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"f\n\x0bStepTimings\x12\x11\n\tprepare_s\x18\x01 \x01(\x01\x12\x11\n\tforward_s\x18\x02 \x01(\x01\x12\x10\n\x08sample_s\x18\x03 \x01(\x01\x12\x0e\n\x06swap_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\"\xac\x01\n\x0f\x45xecuteResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0bsampled_ids\x18\x02 \x03(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.sluice.v1.StepTimings\x12#\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x14.sluice.v1.StepError\x12\x12\n\nswap_bytes\x18\x06 \x01(\x04\"8\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tend_lease\x18\x02 \x01(\x08\"\'\n\x0fReleaseResponse\x12\x14\n\x0creleased_ids\x18\x01 \x03(\t\"\x0f\n\rHealthRequest\"n\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x0e\n\x06leased\x18\x04 \x01(\x08\x12\x14\n\x0clease_holder\x18\x05 \x01(\x08*q\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11WORKER_ROLE_MIXED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03*v\n\nKvMoveKind\x12\x1c\n\x18KV_MOVE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_MOVE_KIND_SWAP_OUT\x10\x01\x12\x18\n\x14KV_MOVE_KIND_SWAP_IN\x10\x02\x12\x15\n\x11KV_MOVE_KIND_COPY\x10\x03\x32\xce\x02\n\rWorkerService\x12\x37\n\x04Info\x12\x16.sluice.v1.InfoRequest\x1a\x17.sluice.v1.InfoResponse\x12=\n\x06Warmup\x12\x18.sluice.v1.WarmupRequest\x1a\x19.sluice.v1.WarmupResponse\x12\x44\n\x07\x45xecute\x12\x19.sluice.v1.ExecuteRequest\x1a\x1a.sluice.v1.ExecuteResponse(\x01\x30\x01\x12@\n\x07Release\x12\x19.sluice.v1.ReleaseRequest\x1a\x1a.sluice.v1.ReleaseResponse\x12=\n\x06Health\x12\x18.sluice.v1.HealthRequest\x1a\x19.sluice.v1.HealthResponseBC\n\rdev.sluice.v1P\x01Z$sluice.dev/gen/go/sluice/v1;sluicev1\xaa\x02\tSluice.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/worker.proto\x12\tsluice.v1\x1a\x16sluice/v1/common.proto\"\r\n\x0bInfoRequest\"\x99\x01\n\x12WorkerCapabilities\x12\x17\n\x0f\x63hunked_prefill\x18\x01 \x01(\x08\x12\x0c\n\x04swap\x18\x02 \x01(\x08\x12\x11\n\tint8_swap\x18\x03 \x01(\x08\x12\x12\n\nasync_swap\x18\x04 \x01(\x08\x12#\n\x04role\x18\x05 \x01(\x0e\x32\x15.sluice.v1.WorkerRole\x12\x10\n\x08sampling\x18\x06 \x03(\t\"\xfc\x02\n\x0cInfoResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0cmodel_family\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x33\n\x0c\x63\x61pabilities\x18\n \x01(\x0b\x32\x1d.sluice.v1.WorkerCapabilities\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x11\n\twarmed_up\x18\x0c \x01(\x08\x12\x34\n\x10model_dimensions\x18\r \x01(\x0b\x32\x1a.sluice.v1.ModelDimensions\x12\x30\n\x08hardware\x18\x0e \x01(\x0b\x32\x1e.sluice.v1.HardwareDescription\"\xa6\x01\n\x0fModelDimensions\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x11\n\tnum_heads\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x19\n\x11intermediate_size\x18\x05 \x01(\r\x12\x11\n\tgated_mlp\x18\x06 \x01(\x08\x12\x13\n\x0b\x64type_bytes\x18\x07 \x01(\r\"\x94\x01\n\x13HardwareDescription\x12\x0e\n\x06preset\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\npeak_flops\x18\x03 \x01(\x01\x12\x18\n\x10memory_bandwidth\x18\x04 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x01\x12\x1b\n\x13host_link_bandwidth\x18\x06 \x01(\x01\"\xe4\x01\n\rWarmupRequest\x12\x1e\n\x16gpu_memory_utilization\x18\x01 \x01(\x01\x12\x16\n\x0eswap_space_gib\x18\x02 \x01(\x01\x12\x1e\n\x16max_num_batched_tokens\x18\x03 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\r\x12$\n\x17num_gpu_blocks_override\x18\x05 \x01(\rH\x00\x88\x01\x01\x12#\n\x04role\x18\x06 \x01(\x0e\x32\x15.sluice.v1.WorkerRoleB\x1a\n\x18_num_gpu_blocks_override\"\xc7\x01\n\x0eWarmupResponse\x12\x16\n\x0enum_gpu_blocks\x18\x01 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x04 \x01(\x04\x12\x10\n\x08warmup_s\x18\x05 \x01(\x01\x12\x1d\n\x15peak_activation_bytes\x18\x06 \x01(\x04\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x08 \x01(\x01\"\xce\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x7f\n\x0e\x43\x61\x63hedRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12*\n\rnew_block_ids\x18\x02 \x03(\x0b\x32\x13.sluice.v1.BlockIds\x12\x0f\n\x07resumed\x18\x03 \x03(\x08\x12\x1b\n\x13num_computed_tokens\x18\x04 \x03(\r\"}\n\x06KvMove\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.sluice.v1.KvMoveKind\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x15\n\rsrc_block_ids\x18\x03 \x03(\r\x12\x15\n\rdst_block_ids\x18\x04 \x03(\r\x12\x0c\n\x04int8\x18\x05 \x01(\x08\"\xa2\x03\n\x0e\x45xecuteRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x15.sluice.v1.NewRequest\x12\x32\n\x0f\x63\x61\x63hed_requests\x18\x03 \x01(\x0b\x32\x19.sluice.v1.CachedRequests\x12\x15\n\rscheduled_ids\x18\x04 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x03(\r\x12\x0e\n\x06sample\x18\x06 \x03(\x08\x12\x13\n\x0brelease_ids\x18\x07 \x03(\t\x12#\n\x08kv_moves\x18\x08 \x03(\x0b\x32\x11.sluice.v1.KvMove\x12\x39\n\x08metadata\x18\t \x03(\x0b\x32\'.sluice.v1.ExecuteRequest.MetadataEntry\x12\x1a\n\x12same_scheduled_ids\x18\n \x01(\x08\x12\x17\n\x0f\x66ollows_step_id\x18\x0f \x01(\x04\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\">\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"f\n\x0bStepTimings\x12\x11\n\tprepare_s\x18\x01 \x01(\x01\x12\x11\n\tforward_s\x18\x02 \x01(\x01\x12\x10\n\x08sample_s\x18\x03 \x01(\x01\x12\x0e\n\x06swap_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\"\xac\x01\n\x0f\x45xecuteResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0bsampled_ids\x18\x02 \x03(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.sluice.v1.StepTimings\x12#\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x14.sluice.v1.StepError\x12\x12\n\nswap_bytes\x18\x06 \x01(\x04\"8\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tend_lease\x18\x02 \x01(\x08\"\'\n\x0fReleaseResponse\x12\x14\n\x0creleased_ids\x18\x01 \x03(\t\"\x0f\n\rHealthRequest\"n\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x0e\n\x06leased\x18\x04 \x01(\x08\x12\x14\n\x0clease_holder\x18\x05 \x01(\x08\"T\n\x0eOfferKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x0c\n\x04int8\x18\x03 \x01(\x08\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"0\n\x0fOfferKvResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\"a\n\rPullKvRequest\x12\x14\n\x0cpeer_address\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x18\n\x10\x62locks_per_chunk\x18\x04 \x01(\r\"H\n\x0ePullKvResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\")\n\rReadKvRequest\x12\x18\n\x10\x62locks_per_chunk\x18\x01 \x01(\r\"O\n\x0eReadKvResponse\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04int8\x18\x03 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c*q\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11WORKER_ROLE_MIXED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03*v\n\nKvMoveKind\x12\x1c\n\x18KV_MOVE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15KV_MOVE_KIND_SWAP_OUT\x10\x01\x12\x18\n\x14KV_MOVE_KIND_SWAP_IN\x10\x02\x12\x15\n\x11KV_MOVE_KIND_COPY\x10\x03\x32\x90\x04\n\rWorkerService\x12\x37\n\x04Info\x12\x16.sluice.v1.InfoRequest\x1a\x17.sluice.v1.InfoResponse\x12=\n\x06Warmup\x12\x18.sluice.v1.WarmupRequest\x1a\x19.sluice.v1.WarmupResponse\x12\x44\n\x07\x45xecute\x12\x19.sluice.v1.ExecuteRequest\x1a\x1a.sluice.v1.ExecuteResponse(\x01\x30\x01\x12@\n\x07Release\x12\x19.sluice.v1.ReleaseRequest\x1a\x1a.sluice.v1.ReleaseResponse\x12=\n\x06Health\x12\x18.sluice.v1.HealthRequest\x1a\x19.sluice.v1.HealthResponse\x12@\n\x07OfferKv\x12\x19.sluice.v1.OfferKvRequest\x1a\x1a.sluice.v1.OfferKvResponse\x12=\n\x06PullKv\x12\x18.sluice.v1.PullKvRequest\x1a\x19.sluice.v1.PullKvResponse\x12?\n\x06ReadKv\x12\x18.sluice.v1.ReadKvRequest\x1a\x19.sluice.v1.ReadKvResponse0\x01\x42\x43\n\rdev.sluice.v1P\x01Z$sluice.dev/gen/go/sluice/v1;sluicev1\xaa\x02\tSluice.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\rdev.sluice.v1P\001Z$sluice.dev/gen/go/sluice/v1;sluicev1\252\002\tSluice.V1'
   _globals['_EXECUTEREQUEST_METADATAENTRY']._loaded_options = None
   _globals['_EXECUTEREQUEST_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERROLE']._serialized_start=2813
-  _globals['_WORKERROLE']._serialized_end=2926
-  _globals['_KVMOVEKIND']._serialized_start=2928
-  _globals['_KVMOVEKIND']._serialized_end=3046
+  _globals['_WORKERROLE']._serialized_start=3283
+  _globals['_WORKERROLE']._serialized_end=3396
+  _globals['_KVMOVEKIND']._serialized_start=3398
+  _globals['_KVMOVEKIND']._serialized_end=3516
   _globals['_INFOREQUEST']._serialized_start=61
   _globals['_INFOREQUEST']._serialized_end=74
   _globals['_WORKERCAPABILITIES']._serialized_start=77
@@ -50,35 +50,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HARDWAREDESCRIPTION']._serialized_start=785
   _globals['_HARDWAREDESCRIPTION']._serialized_end=933
   _globals['_WARMUPREQUEST']._serialized_start=936
-  _globals['_WARMUPREQUEST']._serialized_end=1127
-  _globals['_WARMUPRESPONSE']._serialized_start=1130
-  _globals['_WARMUPRESPONSE']._serialized_end=1329
-  _globals['_NEWREQUEST']._serialized_start=1332
-  _globals['_NEWREQUEST']._serialized_end=1538
-  _globals['_BLOCKIDS']._serialized_start=1540
-  _globals['_BLOCKIDS']._serialized_end=1563
-  _globals['_CACHEDREQUESTS']._serialized_start=1565
-  _globals['_CACHEDREQUESTS']._serialized_end=1692
-  _globals['_KVMOVE']._serialized_start=1694
-  _globals['_KVMOVE']._serialized_end=1819
-  _globals['_EXECUTEREQUEST']._serialized_start=1822
-  _globals['_EXECUTEREQUEST']._serialized_end=2240
-  _globals['_EXECUTEREQUEST_METADATAENTRY']._serialized_start=2193
-  _globals['_EXECUTEREQUEST_METADATAENTRY']._serialized_end=2240
-  _globals['_STEPERROR']._serialized_start=2242
-  _globals['_STEPERROR']._serialized_end=2304
-  _globals['_STEPTIMINGS']._serialized_start=2306
-  _globals['_STEPTIMINGS']._serialized_end=2408
-  _globals['_EXECUTERESPONSE']._serialized_start=2411
-  _globals['_EXECUTERESPONSE']._serialized_end=2583
-  _globals['_RELEASEREQUEST']._serialized_start=2585
-  _globals['_RELEASEREQUEST']._serialized_end=2641
-  _globals['_RELEASERESPONSE']._serialized_start=2643
-  _globals['_RELEASERESPONSE']._serialized_end=2682
-  _globals['_HEALTHREQUEST']._serialized_start=2684
-  _globals['_HEALTHREQUEST']._serialized_end=2699
-  _globals['_HEALTHRESPONSE']._serialized_start=2701
-  _globals['_HEALTHRESPONSE']._serialized_end=2811
-  _globals['_WORKERSERVICE']._serialized_start=3049
-  _globals['_WORKERSERVICE']._serialized_end=3383
+  _globals['_WARMUPREQUEST']._serialized_end=1164
+  _globals['_WARMUPRESPONSE']._serialized_start=1167
+  _globals['_WARMUPRESPONSE']._serialized_end=1366
+  _globals['_NEWREQUEST']._serialized_start=1369
+  _globals['_NEWREQUEST']._serialized_end=1575
+  _globals['_BLOCKIDS']._serialized_start=1577
+  _globals['_BLOCKIDS']._serialized_end=1600
+  _globals['_CACHEDREQUESTS']._serialized_start=1602
+  _globals['_CACHEDREQUESTS']._serialized_end=1729
+  _globals['_KVMOVE']._serialized_start=1731
+  _globals['_KVMOVE']._serialized_end=1856
+  _globals['_EXECUTEREQUEST']._serialized_start=1859
+  _globals['_EXECUTEREQUEST']._serialized_end=2277
+  _globals['_EXECUTEREQUEST_METADATAENTRY']._serialized_start=2230
+  _globals['_EXECUTEREQUEST_METADATAENTRY']._serialized_end=2277
+  _globals['_STEPERROR']._serialized_start=2279
+  _globals['_STEPERROR']._serialized_end=2341
+  _globals['_STEPTIMINGS']._serialized_start=2343
+  _globals['_STEPTIMINGS']._serialized_end=2445
+  _globals['_EXECUTERESPONSE']._serialized_start=2448
+  _globals['_EXECUTERESPONSE']._serialized_end=2620
+  _globals['_RELEASEREQUEST']._serialized_start=2622
+  _globals['_RELEASEREQUEST']._serialized_end=2678
+  _globals['_RELEASERESPONSE']._serialized_start=2680
+  _globals['_RELEASERESPONSE']._serialized_end=2719
+  _globals['_HEALTHREQUEST']._serialized_start=2721
+  _globals['_HEALTHREQUEST']._serialized_end=2736
+  _globals['_HEALTHRESPONSE']._serialized_start=2738
+  _globals['_HEALTHRESPONSE']._serialized_end=2848
+  _globals['_OFFERKVREQUEST']._serialized_start=2850
+  _globals['_OFFERKVREQUEST']._serialized_end=2934
+  _globals['_OFFERKVRESPONSE']._serialized_start=2936
+  _globals['_OFFERKVRESPONSE']._serialized_end=2984
+  _globals['_PULLKVREQUEST']._serialized_start=2986
+  _globals['_PULLKVREQUEST']._serialized_end=3083
+  _globals['_PULLKVRESPONSE']._serialized_start=3085
+  _globals['_PULLKVRESPONSE']._serialized_end=3157
+  _globals['_READKVREQUEST']._serialized_start=3159
+  _globals['_READKVREQUEST']._serialized_end=3200
+  _globals['_READKVRESPONSE']._serialized_start=3202
+  _globals['_READKVRESPONSE']._serialized_end=3281
+  _globals['_WORKERSERVICE']._serialized_start=3519
+  _globals['_WORKERSERVICE']._serialized_end=4047
 # @@protoc_insertion_point(module_scope)

@@ -117,18 +117,20 @@ class HardwareDescription(_message.Message):
     def __init__(self, preset: _Optional[str] = ..., name: _Optional[str] = ..., peak_flops: _Optional[float] = ..., memory_bandwidth: _Optional[float] = ..., memory_bytes: _Optional[float] = ..., host_link_bandwidth: _Optional[float] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
-    __slots__ = ("gpu_memory_utilization", "swap_space_gib", "max_num_batched_tokens", "max_num_seqs", "num_gpu_blocks_override")
+    __slots__ = ("gpu_memory_utilization", "swap_space_gib", "max_num_batched_tokens", "max_num_seqs", "num_gpu_blocks_override", "role")
     GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     SWAP_SPACE_GIB_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_GPU_BLOCKS_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     gpu_memory_utilization: float
     swap_space_gib: float
     max_num_batched_tokens: int
     max_num_seqs: int
     num_gpu_blocks_override: int
-    def __init__(self, gpu_memory_utilization: _Optional[float] = ..., swap_space_gib: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., num_gpu_blocks_override: _Optional[int] = ...) -> None: ...
+    role: WorkerRole
+    def __init__(self, gpu_memory_utilization: _Optional[float] = ..., swap_space_gib: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., num_gpu_blocks_override: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
     __slots__ = ("num_gpu_blocks", "num_cpu_blocks", "block_size", "bytes_per_block", "warmup_s", "peak_activation_bytes", "session_id", "lease_ttl_s")
@@ -304,3 +306,63 @@ class HealthResponse(_message.Message):
     leased: bool
     lease_holder: bool
     def __init__(self, serving: _Optional[bool] = ..., message: _Optional[str] = ..., num_requests: _Optional[int] = ..., leased: _Optional[bool] = ..., lease_holder: _Optional[bool] = ...) -> None: ...
+
+class OfferKvRequest(_message.Message):
+    __slots__ = ("request_id", "block_ids", "int8", "ttl_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    INT8_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    int8: bool
+    ttl_s: float
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., int8: _Optional[bool] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class OfferKvResponse(_message.Message):
+    __slots__ = ("token", "nbytes")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    nbytes: int
+    def __init__(self, token: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class PullKvRequest(_message.Message):
+    __slots__ = ("peer_address", "token", "block_ids", "blocks_per_chunk")
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    peer_address: str
+    token: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    blocks_per_chunk: int
+    def __init__(self, peer_address: _Optional[str] = ..., token: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., blocks_per_chunk: _Optional[int] = ...) -> None: ...
+
+class PullKvResponse(_message.Message):
+    __slots__ = ("num_blocks", "nbytes", "transfer_s")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    nbytes: int
+    transfer_s: float
+    def __init__(self, num_blocks: _Optional[int] = ..., nbytes: _Optional[int] = ..., transfer_s: _Optional[float] = ...) -> None: ...
+
+class ReadKvRequest(_message.Message):
+    __slots__ = ("blocks_per_chunk",)
+    BLOCKS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    blocks_per_chunk: int
+    def __init__(self, blocks_per_chunk: _Optional[int] = ...) -> None: ...
+
+class ReadKvResponse(_message.Message):
+    __slots__ = ("first", "num_blocks", "int8", "data")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INT8_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    num_blocks: int
+    int8: bool
+    data: bytes
+    def __init__(self, first: _Optional[int] = ..., num_blocks: _Optional[int] = ..., int8: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -70,6 +70,21 @@ class WorkerServiceStub:
                 request_serializer=sluice_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_worker__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.OfferKv = channel.unary_unary(
+                '/sluice.v1.WorkerService/OfferKv',
+                request_serializer=sluice_dot_v1_dot_worker__pb2.OfferKvRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_worker__pb2.OfferKvResponse.FromString,
+                _registered_method=True)
+        self.PullKv = channel.unary_unary(
+                '/sluice.v1.WorkerService/PullKv',
+                request_serializer=sluice_dot_v1_dot_worker__pb2.PullKvRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_worker__pb2.PullKvResponse.FromString,
+                _registered_method=True)
+        self.ReadKv = channel.unary_stream(
+                '/sluice.v1.WorkerService/ReadKv',
+                request_serializer=sluice_dot_v1_dot_worker__pb2.ReadKvRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_worker__pb2.ReadKvResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -126,6 +141,35 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OfferKv(self, request, context):
+        """Disaggregated prefill and decode, on the prefill worker: makes the KV in block_ids
+        readable once, by whoever presents the one-time token it answers (the decode worker the
+        scheduler names in PullKv). Needs the lease. The offer lapses after ttl_s, when read,
+        or at the next Warmup; the scheduler keeps the blocks allocated until the transfer ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullKv(self, request, context):
+        """On the decode worker: dials the prefill worker at peer_address, reads the offered KV
+        (ReadKv, with the token) and writes it into block_ids, which no request the worker holds
+        may own (ABORTED otherwise, and when a Warmup rebuilds the cache meanwhile). Needs the lease. UNAVAILABLE when the peer cannot be read
+        (it died, the token lapsed); the blocks then hold nothing the scheduler relies on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadKv(self, request, context):
+        """Worker to worker: streams an offer's KV, block by block in chunks, to the caller
+        presenting its one-time token (as `x-sluice-kv-token` metadata; PERMISSION_DENIED with
+        any other, FAILED_PRECONDITION without one). Needs no lease: the token is the capability.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +197,21 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=sluice_dot_v1_dot_worker__pb2.HealthRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_worker__pb2.HealthResponse.SerializeToString,
+            ),
+            'OfferKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferKv,
+                    request_deserializer=sluice_dot_v1_dot_worker__pb2.OfferKvRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_worker__pb2.OfferKvResponse.SerializeToString,
+            ),
+            'PullKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullKv,
+                    request_deserializer=sluice_dot_v1_dot_worker__pb2.PullKvRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_worker__pb2.PullKvResponse.SerializeToString,
+            ),
+            'ReadKv': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadKv,
+                    request_deserializer=sluice_dot_v1_dot_worker__pb2.ReadKvRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_worker__pb2.ReadKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +360,87 @@ class WorkerService:
             '/sluice.v1.WorkerService/Health',
             sluice_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
             sluice_dot_v1_dot_worker__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.WorkerService/OfferKv',
+            sluice_dot_v1_dot_worker__pb2.OfferKvRequest.SerializeToString,
+            sluice_dot_v1_dot_worker__pb2.OfferKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.WorkerService/PullKv',
+            sluice_dot_v1_dot_worker__pb2.PullKvRequest.SerializeToString,
+            sluice_dot_v1_dot_worker__pb2.PullKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sluice.v1.WorkerService/ReadKv',
+            sluice_dot_v1_dot_worker__pb2.ReadKvRequest.SerializeToString,
+            sluice_dot_v1_dot_worker__pb2.ReadKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
