@@ -149,9 +149,11 @@ def run_sim(
         length_source="max_tokens",
         step_overhead_s=overhead[0],
         seq_overhead_s=overhead[1],
-        # NOTE: pipelined as the live loop is; under overlap the fitted overhead is what stayed
-        # visible per step, which the simulator then still hides behind a longer previous step.
+        # NOTE: pipelined as the live loop is. Under overlap the overhead is fitted to what live
+        # steps still showed (wall minus the cost model's price): it is already the part overlap
+        # did not hide, so the simulator must not hide it again.
         overlap=args.overlap,
+        overlap_hides_overhead=False,
     )
     sim = Simulation(config, Workload("fidelity", trace), cost_model)
     per_request: dict[str, tuple] = {}

@@ -85,6 +85,11 @@ class SimConfig:
         "current one runs, so the CPU overhead hides behind the previous step's execution",
     )
     seq_overhead_s: float = opt(0.0, "serving-stack CPU time per scheduled sequence")
+    overlap_hides_overhead: bool = opt(
+        True,
+        "with --overlap the CPU overhead runs while the previous step does (the scheduler's share); "
+        "false keeps it on the step's path, for an overhead fitted to what overlapped live steps still show",
+    )
     int8_swap: bool = opt(False, "int8-compress swapped KV (halves swap bytes)")
     # What a swap costs beyond bytes / PCIe bandwidth (vLLM v0): each block is copied per layer,
     # keys and values apart (2 x layers cudaMemcpyAsync calls per block), and the step that
@@ -334,7 +339,7 @@ class Simulation:
                         break
                     executor = self.executors[w]
                     result = executor.execute(plan)
-                    cpu = executor.last_overhead_s
+                    cpu = executor.last_overhead_s if self.config.overlap_hides_overhead else 0.0
                     cpu_free[w] = max(now, cpu_free[w]) + cpu
                     queue.append((result, cpu_free[w], result.total_s - cpu))
                     if len(queue) == 1:  # the worker was idle: CPU work, then the step

@@ -153,6 +153,11 @@ def test_overlap_hides_the_cpu_overhead_behind_the_previous_step(cost_model: Cos
     assert hidden.metrics["num_finished"] == 1
     assert hidden.metrics["jct_s"]["p50"] - base.metrics["jct_s"]["p50"] == pytest.approx(0.003, abs=1e-6)
     assert slow.metrics["jct_s"]["p50"] - base.metrics["jct_s"]["p50"] == pytest.approx(steps * 0.003, abs=1e-6)
+    # an overhead fitted to what overlapped live steps still showed is not hidden a second time
+    kept = simulate(
+        SimConfig(policy=policy, step_overhead_s=0.003, overlap=True, overlap_hides_overhead=False), one, cost_model
+    )
+    assert kept.metrics["jct_s"]["p50"] == pytest.approx(slow.metrics["jct_s"]["p50"], abs=1e-6)
 
 
 def test_overlap_in_the_simulator_finishes_every_request_of_a_trace(cost_model: CostModel, sharegpt: Workload) -> None:
