@@ -30,7 +30,7 @@ import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import numpy as np
@@ -40,10 +40,25 @@ from sluice.common.grpc_server import KEEPALIVE
 from sluice.common.security import PLAINTEXT, ClientSecurity
 from sluice.v1 import worker_pb2
 
-if TYPE_CHECKING:  # NOTE: server.py imports this module; these are for the annotations only
+if TYPE_CHECKING:  # for the annotations only
     from kvstore.paged import PagedKVCache
     from worker_service.engine import LLMEngine
-    from worker_service.server import EngineRunner
+
+
+class RunsEngine(Protocol):
+    """What the transfers need of the server's EngineRunner (named here, so this module does not
+    import the server that imports it)."""
+
+    engine: LLMEngine
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def not_ready_reason(self) -> str: ...
+
+    async def call_inline(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +265,7 @@ class KVTransferHandler:
     `runner` is the server's EngineRunner (engine, lock, readiness); `peer_security` dials
     peers (TLS and the API key a peer wants, the same a scheduler would present)."""
 
-    def __init__(self, runner: EngineRunner, peer_security: ClientSecurity = PLAINTEXT) -> None:
+    def __init__(self, runner: RunsEngine, peer_security: ClientSecurity = PLAINTEXT) -> None:
         self.runner = runner
         self.offers = KVOffers()
         self.peer_security = peer_security

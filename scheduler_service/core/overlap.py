@@ -28,13 +28,34 @@ time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from kvstore.accounting import KVCacheManager
+from scheduler_service.core.metrics import MetricsRecorder
+from scheduler_service.core.policy import Policy
 from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.step_outputs import StepOutputs
 from sluice.contract.plan import StepPlan, StepResult
 
-if TYPE_CHECKING:
-    from scheduler_service.core.scheduler import Scheduler, StepOutputs
+
+class OverlapHost(Protocol):
+    """What the overlap bookkeeping needs of the Scheduler (named here, so this module does
+    not import the scheduler that imports it)."""
+
+    worker_id: int
+    kv: KVCacheManager
+    policy: Policy
+    config: Any  # SchedulerConfig (its max_model_len), defined beside the Scheduler
+    metrics: MetricsRecorder
+    requests: dict[str, Request]
+    running: dict[str, Request]
+    pending_tokens: dict[str, int]
+
+    def tokens_in_flight(self, request_id: str) -> int: ...
+    def cache_computed_blocks(self, req: Request, computed: int) -> None: ...
+    def stop_status(self, req: Request, token: int, n: int) -> RequestStatus | None: ...
+    def end(self, req: Request, status: RequestStatus, now: float, message: str = "") -> None: ...
+    def pop_finished(self) -> list[Request]: ...
 
 
 @dataclass(slots=True)
@@ -46,7 +67,7 @@ class InFlight:
     voided: set[str] = field(default_factory=set)
 
 
-def commit_plan(sched: Scheduler, plan: StepPlan) -> None:
+def commit_plan(sched: OverlapHost, plan: StepPlan) -> None:
     """The plan's step counts as done for the next plan: tokens computed, placeholders for
     the tokens it samples (resolved by `resolve_step`)."""
     running, pending, metrics = sched.running, sched.pending_tokens, sched.metrics
@@ -64,11 +85,9 @@ def commit_plan(sched: Scheduler, plan: StepPlan) -> None:
             pending[rid] = pending.get(rid, 0) + 1
 
 
-def resolve_step(sched: Scheduler, entry: InFlight, result: StepResult, now: float) -> StepOutputs | None:
+def resolve_step(sched: OverlapHost, entry: InFlight, result: StepResult, now: float) -> StepOutputs | None:
     """Applies the answer to a committed plan: tokens in place of its placeholders, stops
     checked on them. None when the worker left out a token it owed (the caller resets it)."""
-    from scheduler_service.core.scheduler import StepOutputs
-
     plan, voided = entry.plan, entry.voided
     requests, pending = sched.requests, sched.pending_tokens
     sampled = result.sampled_token_ids

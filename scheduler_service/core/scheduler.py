@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore.accounting import KVCacheManager
 from scheduler_service.core.budget import TokenBudget
@@ -31,6 +31,7 @@ from scheduler_service.core.preemption import PreemptionMode, PreemptionReason, 
 from scheduler_service.core.prefix import block_hashes
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
+from scheduler_service.core.step_outputs import StepOutputs
 from sluice.contract.plan import StepPlan, StepResult
 
 
@@ -43,12 +44,6 @@ class SchedulerConfig:
     queue_timeout_s: float | None = None  # a request never admitted within this is dropped
     drop_expired_deadlines: bool = False  # drop waiting requests whose JCT deadline passed
     overlap: bool = False  # plans may be made one step ahead of the answers (core/overlap.py)
-
-
-@dataclass(slots=True)
-class StepOutputs:
-    tokens: list[tuple[Request, int]] = field(default_factory=list)  # (request, new token id)
-    finished: list[Request] = field(default_factory=list)
 
 
 class Scheduler:

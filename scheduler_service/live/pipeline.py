@@ -15,15 +15,50 @@ longer holds it in flight) is read and dropped. Policies that are not `overlap_s
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
+from scheduler_service.cluster import Cluster
+from scheduler_service.core.request import Request
+from scheduler_service.live.remote import RemoteWorker
 from sluice.contract.plan import StepPlan
 from sluice.contract.profile import BatchShape
 
-if TYPE_CHECKING:
-    from scheduler_service.live.loop import WorkerLoop
+
+class PipelineService(Protocol):
+    """What the pipeline needs of the live scheduler (a part of the loop's LoopHost)."""
+
+    cluster: Cluster
+    clock: Callable[[], float]
+
+    async def deliver(self, tokens: Sequence[tuple[Request, int]], now: float) -> None: ...
+
+    def settle(self) -> None: ...
+
+
+class PipelinedLoop(Protocol):
+    """What the pipeline needs of the WorkerLoop that owns it (named here, so this module does
+    not import the loop module that imports it)."""
+
+    worker_id: int
+    remote: RemoteWorker
+    retiring: bool
+    wake: asyncio.Event
+    num_steps: int
+    step_log: deque[tuple[int, float, float, BatchShape | None]]
+
+    @property
+    def live(self) -> PipelineService: ...
+
+    def note_scheduled(self, plan: StepPlan) -> BatchShape | None: ...
+
+    async def sleep_until_due(self) -> None: ...
+
+    def on_contact(self, now: float) -> None: ...
+
 
 AHEAD = 2  # steps on the stream at most: the one the worker runs and the one planned ahead of it
 
@@ -31,7 +66,7 @@ AHEAD = 2  # steps on the stream at most: the one the worker runs and the one pl
 class StepPipeline:
     """The WorkerLoop's steps on the stream: (plan, its shape, when it was sent), oldest first."""
 
-    def __init__(self, loop: WorkerLoop) -> None:
+    def __init__(self, loop: PipelinedLoop) -> None:
         self.loop = loop
         self.sent: deque[tuple[StepPlan, BatchShape | None, float]] = deque()
         self._last_answer = 0.0  # perf_counter of the last answer applied
