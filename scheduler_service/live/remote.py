@@ -175,13 +175,8 @@ class RemoteWorker:
             async with asyncio.timeout(self.step_timeout_s):
                 await self._call.write(self._sender.encode(plan))
                 response = await self._call.read()
-        except TimeoutError as exc:
-            raise WorkerLost(f"worker {self.address}: step {plan.step_id} took over {self.step_timeout_s} s") from exc
-        except (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError) as exc:
-            raise WorkerLost(f"worker {self.address}: step stream failed: {_describe(exc)}") from exc
-        except asyncio.CancelledError as exc:
-            _raise_if_we_are_cancelled()
-            raise WorkerLost(f"worker {self.address}: the step stream was cancelled") from exc
+        except STREAM_FAILURES as exc:
+            raise self._lost(exc, f"step {plan.step_id} took over {self.step_timeout_s} s") from exc
         return await self._result(response, plan)
 
     # Overlapped scheduling: `send` puts a plan on the stream without waiting for its answer,
@@ -197,13 +192,8 @@ class RemoteWorker:
         try:
             async with asyncio.timeout(self.step_timeout_s):
                 await self._call.write(self._sender.encode(plan))
-        except TimeoutError as exc:
-            raise WorkerLost(f"worker {self.address}: step {plan.step_id} could not be sent in time") from exc
-        except (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError) as exc:
-            raise WorkerLost(f"worker {self.address}: step stream failed: {_describe(exc)}") from exc
-        except asyncio.CancelledError as exc:
-            _raise_if_we_are_cancelled()
-            raise WorkerLost(f"worker {self.address}: the step stream was cancelled") from exc
+        except STREAM_FAILURES as exc:
+            raise self._lost(exc, f"step {plan.step_id} could not be sent in time") from exc
         self._sent.append(plan)
 
     async def receive(self) -> StepResult:
@@ -215,14 +205,19 @@ class RemoteWorker:
         try:
             async with asyncio.timeout(self.step_timeout_s):
                 response = await self._call.read()
-        except TimeoutError as exc:
-            raise WorkerLost(f"worker {self.address}: step {plan.step_id} took over {self.step_timeout_s} s") from exc
-        except (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError) as exc:
-            raise WorkerLost(f"worker {self.address}: step stream failed: {_describe(exc)}") from exc
-        except asyncio.CancelledError as exc:
-            _raise_if_we_are_cancelled()
-            raise WorkerLost(f"worker {self.address}: the step stream was cancelled") from exc
+        except STREAM_FAILURES as exc:
+            raise self._lost(exc, f"step {plan.step_id} took over {self.step_timeout_s} s") from exc
         return await self._result(response, plan)
+
+    def _lost(self, exc: BaseException, late: str) -> WorkerLost:
+        """What a failed operation on the step stream means: the worker is lost (`late`: what a
+        missed deadline says). A cancellation of our own task is re-raised, not translated."""
+        if isinstance(exc, TimeoutError):
+            return WorkerLost(f"worker {self.address}: {late}")
+        if isinstance(exc, asyncio.CancelledError):
+            _raise_if_we_are_cancelled()
+            return WorkerLost(f"worker {self.address}: the step stream was cancelled")
+        return WorkerLost(f"worker {self.address}: step stream failed: {_describe(exc)}")
 
     async def _result(self, response: object, plan: StepPlan) -> StepResult:
         if response is grpc.aio.EOF:
@@ -325,6 +320,10 @@ def hardware_from_proto(hw: worker_pb2.HardwareDescription) -> HardwareSpec:
         return HARDWARE_PRESETS[hw.preset]
     name = hw.name or "unknown device"
     return HardwareSpec(name, hw.peak_flops, hw.memory_bandwidth, hw.memory_bytes, hw.host_link_bandwidth)
+
+
+# Failures of a read or write on the step stream (RemoteWorker._lost says what each means).
+STREAM_FAILURES = (TimeoutError, grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError, asyncio.CancelledError)
 
 
 def _raise_if_we_are_cancelled() -> None:
