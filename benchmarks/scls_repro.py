@@ -74,12 +74,14 @@ class Probe:
         self.last_step_end: dict[int, float] = {}
         on_step = sim.metrics.on_step
 
-        def record(worker_id: int, plan: StepPlan, result: Any, now: float, kv: Any) -> None:
+        def record(worker_id: int, plan: StepPlan, result: Any, now: float, *args: Any, **kwargs: Any) -> None:
+            # The rest (KV manager, used tokens, ...) passes through untouched, so the probe
+            # keeps working when MetricsRecorder.on_step grows a parameter.
             self.last_step_end[worker_id] = now
             self.seqs.append(len(plan.num_scheduled_tokens))
             if plan.metadata and "padded_len" in plan.metadata:
                 self.rows.append(len(plan.num_scheduled_tokens))
-            on_step(worker_id, plan, result, now, kv)
+            on_step(worker_id, plan, result, now, *args, **kwargs)
 
         sim.metrics.on_step = record  # type: ignore[method-assign]
 
