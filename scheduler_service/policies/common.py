@@ -73,6 +73,14 @@ def schedule_with_preemption(
     return True
 
 
+def never_fits(step: StepBuilder, request: Request, watermark: float) -> bool:
+    """vLLM's AllocStatus.NEVER: the whole prompt needs more blocks than the pool holds less its
+    watermark, so no amount of waiting makes room. Such a request is rejected, not left at the
+    head of an FCFS queue, where it would block every request behind it for good."""
+    kv = step.kv
+    return kv.num_blocks_for(request.num_tokens) > kv.gpu.num_blocks - int(watermark * kv.gpu.num_blocks)
+
+
 def admission_fits(step: StepBuilder, request: Request, cover_tokens: int, watermark: float) -> bool:
     """The request's blocks for `cover_tokens` fit and leave the watermark free."""
     kv = step.kv

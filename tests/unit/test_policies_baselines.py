@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from harness import make_request, make_scheduler, run_to_completion, step
 
 from scheduler_service.core.request import RequestStatus
@@ -32,6 +33,34 @@ def test_vllm_admits_fcfs_and_stops_at_the_first_that_does_not_fit() -> None:
     plan, _ = step(sched, 0.0)
     assert list(plan.num_scheduled_tokens) == ["a"]
     run_to_completion(sched)
+    sched.assert_empty()
+
+
+@pytest.mark.parametrize("policy", ["vllm", "vllm_chunked", "sarathi"])
+def test_a_prompt_that_can_never_fit_is_rejected_instead_of_blocking_the_queue(policy: str) -> None:
+    # vLLM's AllocStatus.NEVER: 100 blocks of 4 tokens, a 1-block watermark; a 398-token prompt
+    # needs all 100 and can never be admitted, so it is rejected and the next request runs.
+    sched = make_scheduler(policy, num_gpu_blocks=100, block_size=4, max_model_len=1024, max_num_batched_tokens=512)
+    big, small = make_request("big", 398, 2), make_request("small", 8, 2)
+    sched.add_request(big, 0.0)
+    sched.add_request(small, 0.0)
+    plan, _ = step(sched, 0.0)
+    assert big.status is RequestStatus.FINISHED_REJECTED and "unschedulable" in big.finish_message
+    assert "small" in plan.num_scheduled_tokens
+    run_to_completion(sched)
+    assert small.status is RequestStatus.FINISHED_STOPPED
+    sched.assert_empty()
+
+
+def test_a_prompt_that_fits_only_without_others_waits_instead_of_being_rejected() -> None:
+    sched = make_scheduler("vllm", num_gpu_blocks=100, block_size=4, max_model_len=1024, max_num_batched_tokens=512)
+    first, big = make_request("first", 40, 3), make_request("big", 392, 2)  # big: 98 blocks, fits alone
+    sched.add_request(first, 0.0)
+    sched.add_request(big, 0.0)
+    plan, _ = step(sched, 0.0)
+    assert list(plan.num_scheduled_tokens) == ["first"]
+    run_to_completion(sched)
+    assert big.status is RequestStatus.FINISHED_STOPPED
     sched.assert_empty()
 
 

@@ -19,6 +19,7 @@ from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.policies.common import (
     ContinuousBatchingConfig,
     admission_fits,
+    never_fits,
     preempt_for_priority,
     preemption_mode,
     reject_unservable,
@@ -51,6 +52,9 @@ class VLLMPolicy(Policy):
             n = req.num_tokens_to_compute
             if n > step.budget.max_tokens:
                 reject_unservable(step, req, f"prompt_too_long: {n} tokens exceed max_num_batched_tokens")
+                continue
+            if never_fits(step, req, self.config.watermark):
+                reject_unservable(step, req, "unschedulable: the prompt needs more KV than the worker has")
                 continue
             if len(step.running) >= self.ctx.max_num_seqs or not step.budget.can_fit(n):
                 break

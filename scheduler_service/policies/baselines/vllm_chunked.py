@@ -27,8 +27,10 @@ from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.policies.common import (
     ContinuousBatchingConfig,
     admission_fits,
+    never_fits,
     preempt_for_priority,
     preemption_mode,
+    reject_unservable,
     schedule_with_preemption,
     swap_in_fcfs,
     time_limited_chunk,
@@ -99,6 +101,9 @@ class ChunkedPrefillPolicy(Policy):
             left = step.budget.remaining_tokens
             if left <= 0 or len(step.running) >= self.seat_limit():
                 break
+            if never_fits(step, req, self.config.watermark):
+                reject_unservable(step, req, "unschedulable: the prompt needs more KV than the worker has")
+                continue
             cover = self._cover(req)
             fits = admission_fits(step, req, cover, self.config.watermark)
             if not fits and self.config.priority:
