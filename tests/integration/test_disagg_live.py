@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from scheduler_service.cluster import DisaggCluster
-from services.serve import ServeConfig, worker_roles
+from services.serve import ServeConfig, start_scheduler, start_workers, stop_workers, worker_roles
 from sluice.common.grpc_server import CHANNEL_OPTIONS
 from sluice.common.tokenizer import Tokenizer
 from sluice.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -300,3 +300,30 @@ async def test_a_transfer_that_times_out_falls_back_to_recomputing_on_the_decode
         prefill.runner.gate.set()
         await stop_all([prefill, decode])
     assert results == expected
+
+
+@pytest.mark.slow
+async def test_sluice_serve_with_a_prefill_and_a_decode_worker_process_gives_the_colocated_tokens(
+    prompts: list[list[int]],
+) -> None:
+    """The processes `sluice serve --prefill-workers 1 --decode-workers 1` starts (`sluice
+    worker --role ...`): the scheduler reads their roles and moves every request's KV."""
+    runs = {}
+    for name, split in (("colocated", {"workers": 2}), ("disaggregated", {"prefill_workers": 1, "decode_workers": 1})):
+        cfg = ServeConfig(port=0, num_gpu_blocks=NUM_GPU_BLOCKS, worker_threads=1, start_predictor=False, **split)
+        processes = await start_workers(cfg)
+        try:
+            server = await start_scheduler(cfg, [w.address for w in processes])
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                    runs[name] = await generate_all(Client(channel, server), prompts)
+                cluster = server.live.cluster
+                if name == "disaggregated":
+                    assert isinstance(cluster, DisaggCluster) and cluster.roles == {0: "prefill", 1: "decode"}
+                    moved = sum(n > 1 for n in MAX_TOKENS)
+                    assert cluster.transfers.succeeded == moved, cluster.transfers.summary()
+            finally:
+                await server.stop(grace_s=1.0, drain_s=0.0)
+        finally:
+            await stop_workers(processes)
+    assert runs["disaggregated"] == runs["colocated"]
