@@ -4,8 +4,9 @@ processes, against colocated serving on the same number of workers and the same 
 
     python benchmarks/disagg_live.py --json disagg_live.json
 
-Two runs, each on fresh `sluice worker` processes started as `sluice serve` starts them
-(services/serve.py: start_workers, start_scheduler; one torch thread each, CPU):
+Two configurations (`--repeats` runs of each, alternating), each run on fresh `sluice worker`
+processes started as `sluice serve` starts them (services/serve.py: start_workers,
+start_scheduler; one torch thread each, CPU):
 
     colocated       --workers 2                          (2 mixed workers)
     disaggregated   --prefill-workers 1 --decode-workers 1
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -118,6 +120,10 @@ async def run_split(name: str, requests: list[DemoRequest], args: argparse.Names
         await stop_workers(processes)
     ttft = [r["ttft_s"] for r in results]
     gaps = [g for r in results for g in r["gaps_s"]]
+    # NOTE: disaggregated, the first gap (first token -> second) holds the handoff: the KV
+    # transfer and the decode worker's admission; the later gaps are the decode pool's own.
+    first_gaps = [r["gaps_s"][0] for r in results if r["gaps_s"]]
+    later_gaps = [g for r in results for g in r["gaps_s"][1:]]
     out_tokens = sum(len(r["tokens"]) for r in results)
     return {
         "split": name,
@@ -130,13 +136,18 @@ async def run_split(name: str, requests: list[DemoRequest], args: argparse.Names
         "tbt_s_p50": pct(gaps, 0.5),
         "tbt_s_p90": pct(gaps, 0.9),
         "tbt_s_p99": pct(gaps, 0.99),
+        "first_gap_s_p50": pct(first_gaps, 0.5),
+        "first_gap_s_p90": pct(first_gaps, 0.9),
+        "later_tbt_s_p50": pct(later_gaps, 0.5),
+        "later_tbt_s_p90": pct(later_gaps, 0.9),
+        "later_tbt_s_p99": pct(later_gaps, 0.99),
         "transfers": [asdict(t) for t in records],
         "transfer_stats": stats,
     }
 
 
-def transfer_summary(run: dict[str, Any]) -> dict[str, Any]:
-    recs = run["transfers"]
+def transfer_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    recs = [t for run in runs for t in run["transfers"]]
     ok = [t for t in recs if t["ok"]]
     return {
         "transfers": len(recs),
@@ -152,22 +163,30 @@ def transfer_summary(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def ms(run: dict[str, Any], *keys: str) -> str:
+    return " / ".join(f"{run[k] * 1e3:.1f}" for k in keys)
+
+
 def table(result: dict[str, Any]) -> str:
     runs = result["runs"]
+    load = result["load_average"]
     lines = [
         f"{result['num_requests']} requests of azure-conv (scaled as `sluice serve --demo`), {result['model']} on CPU, "
         f"{result['threads']} torch thread per worker, {result['num_gpu_blocks']} KV blocks per worker; "
-        f"tokens identical: {'yes' if result['identical'] else 'NO'}",
+        f"{result['repeats']} runs of each, alternating; load average {load[0]:.1f} before, {load[1]:.1f} after; "
+        f"tokens identical in every run: {'yes' if result['identical'] else 'NO'}",
         "",
-        "| run | workers | wall s | tok/s | TTFT p50 ms | TTFT p90 ms | TBT p50 ms | TBT p90 ms | TBT p99 ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | workers | wall s | tok/s | TTFT p50 / p90 ms | TBT p50 / p90 / p99 ms | first gap p50 / p90 ms "
+        "| later TBT p50 / p90 / p99 ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for run in runs:
-        workers = "2 mixed" if run["split"] == "colocated" else "1 prefill + 1 decode"
+    for run in [*runs, *result["medians"]]:
+        workers = "2 mixed" if run["split"].startswith("colocated") else "1 prefill + 1 decode"
         lines.append(
             f"| {run['split']} | {workers} | {run['wall_s']:.2f} | {run['throughput_tok_s']:.0f} "
-            f"| {run['ttft_s_p50'] * 1e3:.1f} | {run['ttft_s_p90'] * 1e3:.1f} | {run['tbt_s_p50'] * 1e3:.1f} "
-            f"| {run['tbt_s_p90'] * 1e3:.1f} | {run['tbt_s_p99'] * 1e3:.1f} |"
+            f"| {ms(run, 'ttft_s_p50', 'ttft_s_p90')} | {ms(run, 'tbt_s_p50', 'tbt_s_p90', 'tbt_s_p99')} "
+            f"| {ms(run, 'first_gap_s_p50', 'first_gap_s_p90')} "
+            f"| {ms(run, 'later_tbt_s_p50', 'later_tbt_s_p90', 'later_tbt_s_p99')} |"
         )
     s = result["transfer"]
     lines += [
@@ -186,16 +205,25 @@ def table(result: dict[str, Any]) -> str:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     opts = DemoOptions(num_requests=args.requests, duration_s=args.duration_s, max_prompt=args.max_prompt)
     requests = demo_requests(opts, args.model)
-    runs = [await run_split(name, requests, args) for name in SPLITS]
-    identical = runs[0]["tokens"] == runs[1]["tokens"]
+    load_before = os.getloadavg()[0]
+    runs = [await run_split(name, requests, args) for _ in range(args.repeats) for name in SPLITS]
+    identical = all(run["tokens"] == runs[0]["tokens"] for run in runs)
+    medians = []
+    for name in SPLITS:
+        mine = [run for run in runs if run["split"] == name]
+        keys = [k for k, v in mine[0].items() if isinstance(v, float)]
+        medians.append({"split": f"{name}, median", **{k: statistics.median(run[k] for run in mine) for k in keys}})
     return {
         "model": args.model,
         "num_requests": len(requests),
         "threads": args.threads,
         "num_gpu_blocks": args.num_gpu_blocks,
+        "repeats": args.repeats,
+        "load_average": (load_before, os.getloadavg()[0]),
         "identical": identical,
         "runs": runs,
-        "transfer": transfer_summary(runs[1]),
+        "medians": medians,
+        "transfer": transfer_summary([run for run in runs if run["split"] == "disaggregated"]),
     }
 
 
@@ -207,6 +235,7 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--num-gpu-blocks", type=int, default=512, help="KV blocks per worker")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each split, alternating")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     result = asyncio.run(run(args))

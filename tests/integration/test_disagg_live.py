@@ -327,3 +327,34 @@ async def test_sluice_serve_with_a_prefill_and_a_decode_worker_process_gives_the
         finally:
             await stop_workers(processes)
     assert runs["disaggregated"] == runs["colocated"]
+
+
+async def test_a_later_pull_into_the_same_blocks_fences_an_earlier_one_still_running() -> None:
+    """The scheduler reuses a given-up transfer's blocks for another transfer; the earlier
+    pull, still running on the decode worker, must not write its late chunks over the new KV."""
+    from tests.integration.test_kv_transfer import Steps, blocks_of, prefill, transfer
+    from tests.integration.test_kv_transfer import start_worker as start_kv_worker
+
+    slow = await start_kv_worker(0, worker_pb2.WORKER_ROLE_PREFILL)  # its reads wait after one chunk
+    fresh = await start_kv_worker(1, worker_pb2.WORKER_ROLE_PREFILL)
+    decode = await start_kv_worker(2, worker_pb2.WORKER_ROLE_DECODE)
+    try:
+        steps = Steps(fresh)
+        await prefill(steps, "r", (0, 1, 2))
+        assert not (blocks_of(slow, (0, 1, 2)) == blocks_of(fresh, (0, 1, 2))).all()
+        slow.runner.gate.clear()
+        given_up = asyncio.ensure_future(transfer(slow, decode, (0, 1, 2), (5, 6, 7), per_chunk=1))
+        await asyncio.wait_for(slow.runner.held.wait(), timeout=20)  # its first chunk is written
+        pulled = await transfer(fresh, decode, (0, 1, 2), (5, 6, 7), per_chunk=1)
+        assert pulled.num_blocks == 3
+        slow.runner.gate.set()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(given_up, timeout=20)
+        assert err.value.code() == grpc.StatusCode.ABORTED and "superseded" in err.value.details()
+        assert (blocks_of(decode, (5, 6, 7)) == blocks_of(fresh, (0, 1, 2))).all(), "the new KV stands"
+        await steps.run({}, [], release=["r"])
+        await steps.close()
+    finally:
+        slow.runner.gate.set()
+        for w in (slow, fresh, decode):
+            await w.stop()
