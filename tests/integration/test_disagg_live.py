@@ -25,6 +25,7 @@ from scheduler_service.cluster import DisaggCluster
 from services.serve import ServeConfig, start_scheduler, start_workers, stop_workers, worker_roles
 from sluice.common.grpc_server import CHANNEL_OPTIONS
 from sluice.common.tokenizer import Tokenizer
+from sluice.contract.plan import StepPlan, StepResult
 from sluice.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.test_scheduler_live import (
     Client,
@@ -48,19 +49,29 @@ NUM_GPU_BLOCKS = 40
 
 class GatedRunner(EngineRunner):
     """The real runner; while `gate` is clear, every KV read (ReadKv's export of a chunk)
-    waits at it, so a test holds a transfer in flight for as long as it needs."""
+    waits at it, so a test holds a transfer in flight for as long as it needs; while
+    `release_gate` is clear, so does every step that releases requests."""
 
     def __init__(self, eng: LLMEngine) -> None:
         super().__init__(eng)
         self.gate = asyncio.Event()
         self.gate.set()
         self.held = asyncio.Event()  # a read is waiting at the gate
+        self.release_gate = asyncio.Event()
+        self.release_gate.set()
+        self.release_held = asyncio.Event()  # a releasing step is waiting at its gate
 
     async def call_inline(self, fn: Callable[..., T], *args: Any) -> T:
         if getattr(fn, "__name__", "") == "_export" and not self.gate.is_set():
             self.held.set()
             await self.gate.wait()
         return await super().call_inline(fn, *args)
+
+    async def step(self, plan: StepPlan) -> StepResult:
+        if plan.release_ids and not self.release_gate.is_set():
+            self.release_held.set()
+            await self.release_gate.wait()
+        return await super().step(plan)
 
 
 @dataclass
@@ -358,3 +369,51 @@ async def test_a_later_pull_into_the_same_blocks_fences_an_earlier_one_still_run
         slow.runner.gate.set()
         for w in (slow, fresh, decode):
             await w.stop()
+
+
+async def test_a_transfer_into_blocks_a_finished_request_gave_up_waits_until_the_decode_worker_released_it(
+    prompts: list[list[int]],
+) -> None:
+    """The decode worker learns that a finished request gave its blocks up only from its next
+    plan; a transfer reserved into those blocks must not be pulled before that plan is applied
+    (the worker would refuse the pull: the blocks are still the finished request's)."""
+    prompt = (prompts[5] * 2)[:60]
+    reference = engine()
+    reference.init_kv_cache(16, 0)
+    want = {"x": run_alone(reference, prompt, 40), "r": run_alone(reference, prompt[::-1], 5)}
+    prefill, decode = await start_worker(0, "prefill"), await start_worker(1, "decode")
+    try:
+        # 8 blocks of 16 tokens a worker: x grows to 7 on the decode worker, r needs 4 there
+        async with scheduler([prefill.address, decode.address], num_gpu_blocks=8) as client:
+            live, cluster = client.server.live, client.server.live.cluster
+
+            def ask(rid: str, ids: list[int], n: int) -> asyncio.Future:
+                sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=n)
+                call = client.generate(request_id=rid, token_ids=common_pb2.TokenIds(ids=ids), sampling_params=sampling)
+                return asyncio.ensure_future(call)
+
+            x = ask("x", prompt, 40)
+            d_kv = cluster.schedulers[1].kv
+            await wait_for(lambda: len(d_kv.gpu_tables.get("x", ())) >= 5, "x holds 5 blocks on the decode worker")
+            decode.runner.release_gate.clear()
+            r = ask("r", prompt[::-1], 5)
+            x_blocks: set[int] = set()
+            async with asyncio.timeout(30):
+                while not decode.runner.release_held.is_set():  # x finished: its release waits at the gate
+                    x_blocks |= set(d_kv.gpu_tables.get("x", ()))
+                    await asyncio.sleep(0.001)
+            assert live.transfers.num_in_flight == 1
+            (transfer,) = live.transfers.in_flight.values()
+            # r's 4 blocks are reserved among x's 7 (the decode worker has 8): the worker still holds them
+            assert transfer.request_id == "r" and len(set(transfer.dst_block_ids) & x_blocks) >= 3
+            await asyncio.sleep(0.3)
+            assert live.transfers.num_in_flight == 1, "the transfer waits for the release to be applied"
+            decode.runner.release_gate.set()
+            got = {"x": ids_of(await x), "r": ids_of(await r)}
+            await assert_nothing_held(client, [prefill, decode])
+            stats = cluster.transfers
+            assert stats.succeeded == 2 and stats.failed == stats.recomputed == 0, stats.summary()
+    finally:
+        decode.runner.release_gate.set()
+        await stop_all([prefill, decode])
+    assert got == want
