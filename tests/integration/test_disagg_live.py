@@ -417,3 +417,32 @@ async def test_a_transfer_into_blocks_a_finished_request_gave_up_waits_until_the
         decode.runner.release_gate.set()
         await stop_all([prefill, decode])
     assert got == want
+
+
+async def test_int8_transfers_move_under_two_fifths_of_the_bytes_and_every_request_finishes(
+    prompts: list[list[int]], expected: list[list[int]]
+) -> None:
+    """`--int8-transfer`: the float32 KV goes int8-quantized (a byte per value plus per-channel
+    scales: 6 of 16 KiB a tiny-llama block); greedy tokens may differ after quantization, their
+    number and the requests' ends may not."""
+    prefill, decode = await start_worker(0, "prefill"), await start_worker(1, "decode")
+    try:
+        async with scheduler([prefill.address, decode.address], num_gpu_blocks=NUM_GPU_BLOCKS) as client:
+            raw = await generate_all(client, prompts)
+            raw_bytes = {r.request_id: r.nbytes for r in client.server.live.transfers.records}
+        async with scheduler(
+            [prefill.address, decode.address], num_gpu_blocks=NUM_GPU_BLOCKS, int8_transfer=True
+        ) as client:
+            live = client.server.live
+            assert live.spec.int8_transfer
+            quantized = await generate_all(client, prompts)
+            await assert_nothing_held(client, [prefill, decode])
+            records = {r.request_id: r for r in live.transfers.records}
+            assert records and all(r.ok for r in records.values())
+            for rid, record in records.items():
+                assert record.nbytes < 0.4 * raw_bytes[rid], (rid, record.nbytes, raw_bytes[rid])
+    finally:
+        await stop_all([prefill, decode])
+    assert raw == expected
+    assert [len(t) for t in quantized] == [len(t) for t in expected]
+    assert [t[0] for t in quantized] == [t[0] for t in expected], "the first token comes from the prefill worker"
