@@ -47,7 +47,7 @@ from scheduler_service.live.loop import WorkerLoop
 from scheduler_service.live.observe import LiveMetrics
 from scheduler_service.live.remote import RemoteWorker, WarmupOptions, WorkerCapacity, WorkerLost
 from scheduler_service.live.stream import RequestStream
-from scheduler_service.live.transfers import KVTransfers
+from scheduler_service.live.transfers import KVTransfers, check_transfer_config
 from sluice.common.grpc_server import KEEPALIVE, Keepalive
 from sluice.common.predictor_client import PredictorClient
 from sluice.common.prom import ServingMetrics
@@ -150,6 +150,7 @@ class LiveScheduler:
             raise ValueError("the scheduler needs at least one worker address")
         self.addresses = list(addresses)
         self.config = config or LiveConfig()
+        check_transfer_config(self.config)
         self.serving = serving
         self.clock = clock
         self.security = security

@@ -46,6 +46,16 @@ log = logging.getLogger(__name__)
 MAX_OFFER_TTL_S = 600.0  # the worker's bound on an offer's lifetime (worker_service/kv_transfer.py)
 
 
+def check_transfer_config(cfg: LiveConfig) -> None:
+    """ValueError naming the field for transfer settings no transfer could run with."""
+    if not cfg.transfer_timeout_s > 0:
+        raise ValueError(f"transfer_timeout_s: must be > 0, got {cfg.transfer_timeout_s}")
+    if not 0 <= cfg.transfer_blocks_per_chunk < 2**32:
+        raise ValueError(
+            f"transfer_blocks_per_chunk: must be >= 0 (0: the worker picks), got {cfg.transfer_blocks_per_chunk}"
+        )
+
+
 class TransferLoop(Protocol):
     """What a transfer needs of a WorkerLoop (named here, so this module imports no loop)."""
 

@@ -22,6 +22,8 @@ import grpc
 import pytest
 
 from scheduler_service.cluster import DisaggCluster
+from scheduler_service.live.config import LiveConfig
+from scheduler_service.live.service import LiveScheduler
 from services.serve import ServeConfig, start_scheduler, start_workers, stop_workers, worker_roles
 from sluice.common.grpc_server import CHANNEL_OPTIONS
 from sluice.common.tokenizer import Tokenizer
@@ -188,6 +190,13 @@ async def test_a_worker_announces_its_configured_role_and_keeps_it_for_its_sessi
         await decode.server.stop(None)
     finally:
         await worker.server.stop(None)
+
+
+def test_transfer_settings_out_of_range_are_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="transfer_timeout_s"):
+        LiveScheduler(["127.0.0.1:1"], LiveConfig(transfer_timeout_s=0.0))
+    with pytest.raises(ValueError, match="transfer_blocks_per_chunk"):
+        LiveScheduler(["127.0.0.1:1"], LiveConfig(transfer_blocks_per_chunk=-1))
 
 
 def test_serve_starts_the_prefill_then_the_decode_workers_and_refuses_a_one_sided_split() -> None:
