@@ -7,7 +7,9 @@ Every request's tokens (greedy, prompts of different lengths) must be those of t
 alone and of the same requests served colocated; after the run no KV block is held on either
 pool, on the scheduler's books or the workers'; a prefill or a decode worker that dies with a
 transfer in flight, and a transfer that times out, end in a recompute on the decode side with
-the same tokens and nothing leaked.
+the same tokens and nothing leaked. Also: a transfer into blocks a finished request gave up
+waits until the decode worker applied that release; a later pull fences an earlier one into
+the same blocks; int8 transfers; `sluice serve --prefill-workers 1 --decode-workers 1`.
 """
 
 from __future__ import annotations
