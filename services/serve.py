@@ -12,7 +12,12 @@
         its stderr, and started again after a backoff (doubling up to restart_max_s) on the
         same port, so the scheduler's reconnect finds it; when that port is taken it starts
         on a new one and the scheduler is told the new address.
+    sluice serve --prefill-workers N --decode-workers M [...]
+        disaggregated: N `sluice worker --role prefill` and M `--role decode` processes; the
+        scheduler builds a DisaggCluster from the roles they announce and drives the KV
+        transfers between them (scheduler_service/live/transfers.py)
     sluice scheduler --worker HOST:PORT [--worker ...] [--policy P] [--port N]
+        (disaggregated when the workers were started with --role prefill / --role decode)
     sluice scheduler --workers-dns NAME:PORT [--workers-dns-refresh-s S]
         the workers are every address NAME resolves to (a Kubernetes headless Service),
         re-resolved every S seconds: workers join and leave without a restart
@@ -90,7 +95,9 @@ class SchedulerServiceConfig(LiveConfig, SecurityConfig):
 class ServeConfig(SchedulerServiceConfig):
     """`sluice serve`: the scheduler plus the worker processes it starts."""
 
-    workers: int = opt(2, "worker processes to start")
+    workers: int = opt(2, "worker processes to start (mixed: each prefills and decodes)")
+    prefill_workers: int = opt(0, "disaggregated: prefill-only workers to start (with --decode-workers; not --workers)")
+    decode_workers: int = opt(0, "disaggregated: decode-only workers to start (with --prefill-workers)")
     model: str = opt("tiny-llama", "model preset or checkpoint folder of the workers")
     load_format: str = opt("auto", "auto, dummy or safetensors")
     device: str = opt("cpu", "cpu, cuda or cuda:N")
@@ -140,10 +147,27 @@ class WorkerProcess:
         return f"worker {self.worker_id}" if self.worker_id >= 0 else "predictor"
 
 
+def worker_roles(cfg: ServeConfig) -> list[str]:
+    """Each worker's role, by worker id: `workers` mixed ones, or (disaggregated) the prefill
+    workers then the decode workers. ValueError naming the field for a split that cannot serve."""
+    if cfg.prefill_workers < 0 or cfg.decode_workers < 0:
+        raise ValueError("prefill_workers, decode_workers: must be >= 0")
+    if not cfg.prefill_workers and not cfg.decode_workers:
+        if cfg.workers < 1:
+            raise ValueError(f"workers: must be >= 1, got {cfg.workers}")
+        return ["mixed"] * cfg.workers
+    if not cfg.prefill_workers or not cfg.decode_workers:
+        field = "prefill_workers" if not cfg.prefill_workers else "decode_workers"
+        raise ValueError(f"{field}: a disaggregated cluster needs both prefill and decode workers (>= 1 each)")
+    return ["prefill"] * cfg.prefill_workers + ["decode"] * cfg.decode_workers
+
+
 def worker_command(cfg: ServeConfig, worker_id: int, port: int = 0) -> list[str]:
-    threads = cfg.worker_threads or max(1, (os.cpu_count() or 1) // max(1, cfg.workers))
+    roles = worker_roles(cfg)
+    threads = cfg.worker_threads or max(1, (os.cpu_count() or 1) // len(roles))
     cmd = [sys.executable, "-m", "services.cli", "worker", "--host", cfg.worker_host, "--port", str(port)]
     cmd += ["--worker-id", str(worker_id), "--model", cfg.model, "--load-format", cfg.load_format]
+    cmd += ["--role", roles[worker_id]]
     cmd += ["--device", cfg.device, "--swap-space-gib", str(cfg.swap_space_gib), "--threads", str(threads)]
     if cfg.num_gpu_blocks is not None:
         cmd += ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
@@ -271,7 +295,7 @@ async def _ready(worker: WorkerProcess, cfg: ServeConfig) -> None:
 async def start_workers(cfg: ServeConfig) -> list[WorkerProcess]:
     workers: list[WorkerProcess] = []
     try:
-        for w in range(cfg.workers):
+        for w in range(len(worker_roles(cfg))):
             workers.append(await spawn_worker(cfg, w))
         await asyncio.gather(*(_ready(worker, cfg) for worker in workers))
     except BaseException:
@@ -431,7 +455,9 @@ async def _until(stop: asyncio.Event, work: Any) -> None:
 
 async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
     stop = _stop_event()
-    print(f"starting {cfg.workers} {cfg.model} workers on {cfg.device} ...", flush=True)
+    roles = worker_roles(cfg)
+    split = "" if roles[0] == "mixed" else f" ({cfg.prefill_workers} prefill, {cfg.decode_workers} decode)"
+    print(f"starting {len(roles)} {cfg.model} workers{split} on {cfg.device} ...", flush=True)
     supervisor = Supervisor(cfg, await start_workers(cfg))
     predictor = None
     try:
@@ -583,7 +609,7 @@ async def run_demo(server: Any, cfg: ServeConfig, opts: DemoOptions) -> None:
     print(
         f"live: {len(requests)} requests of {opts.trace} (prompts x{opts.prompt_scale:g} <= {opts.max_prompt}, "
         f"outputs x{opts.output_scale:g} <= {opts.max_output}) over {opts.duration_s:g} s, "
-        f"SLO TTFT {opts.ttft_ms:g} ms / TBT {opts.tbt_ms:g} ms, {cfg.workers} x {cfg.model} on {cfg.device}"
+        f"SLO TTFT {opts.ttft_ms:g} ms / TBT {opts.tbt_ms:g} ms, {len(worker_roles(cfg))} x {cfg.model} on {cfg.device}"
     )
     print(format_table([run]))
     link = server.live.predictor
@@ -620,6 +646,10 @@ def _logging() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     _logging()
     cfg = config_from(ServeConfig, args, file=args.config, exclude=SERVE_EXCLUDES)
+    try:
+        worker_roles(cfg)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     demo = DemoOptions(num_requests=args.demo_requests) if args.demo else None
     return asyncio.run(serve(cfg, demo))
 

@@ -1,6 +1,7 @@
 """`sluice worker`: one worker service (the torch engine, or the echo engine for load tests).
 
     sluice worker --model tiny-llama --port 50061 [--device cuda] [--engine echo]
+    sluice worker ... --role prefill|decode|mixed     (its part in a disaggregated deployment)
 
 Its flags (and SLUICE_<NAME> variables) are WorkerConfig's fields: the engine's (EngineConfig),
 the Warmup defaults (WarmupDefaults), the security every server shares (SecurityConfig: api_key,
@@ -21,7 +22,7 @@ from sluice.common.config import add_config_arguments, config_from, opt, subset
 from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted
 from worker_service.engine import EngineConfig
 from worker_service.lease import DEFAULT_LEASE_TTL_S
-from worker_service.server import WarmupDefaults, WorkerServerOptions
+from worker_service.server import WarmupDefaults, WorkerServerOptions, role_value
 
 
 @dataclass
@@ -71,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         factory = partial(EchoEngine, step_time_s=cfg.echo_step_ms / 1e3, async_device=cfg.echo_async_device)
     engine_config, defaults = subset(EngineConfig, cfg), subset(WarmupDefaults, cfg)
     try:
+        role_value(cfg.role)
         security = ServerSecurity.from_config(cfg)
         # NOTE: a decode worker reads a peer's KV (ReadKv) with the deployment's own TLS files
         # and its first API key: workers of one deployment share their security settings.

@@ -19,6 +19,9 @@ Reads and writes go through the EngineRunner's lock one chunk at a time, on the 
 chunks: a transfer overlaps the prefill worker's next prefill and the decode worker's decodes.
 The decode worker refuses (ABORTED) to write blocks that a request it holds owns: the
 scheduler reserved them for this request, so such a write means the two have diverged.
+A later PullKv into the same blocks supersedes an earlier one still running: the scheduler
+only reuses a transfer's blocks after it gave that transfer up (a timeout, a lost peer), so
+the earlier pull's remaining chunks are refused (ABORTED), never written over the new KV.
 """
 
 from __future__ import annotations
@@ -270,6 +273,7 @@ class KVTransferHandler:
         self.offers = KVOffers()
         self.peer_security = peer_security
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._writers: dict[int, object] = {}  # block -> the latest pull writing it (its fence)
 
     @property
     def _engine(self) -> LLMEngine:
@@ -328,6 +332,9 @@ class KVTransferHandler:
         metadata = (*self.peer_security.metadata, (TOKEN_KEY, request.token))
         start = time.perf_counter()
         nbytes = written = 0
+        fence = object()
+        for b in dst:
+            self._writers[b] = fence
         call = read_kv(worker_pb2.ReadKvRequest(blocks_per_chunk=per_chunk), metadata=metadata, timeout=timeout_s)
         try:
             async for chunk in call:
@@ -338,7 +345,7 @@ class KVTransferHandler:
                         f"the peer sent blocks {chunk.first}..+{chunk.num_blocks}, expected {written} of {len(dst)}",
                     )
                 rows = _rows(chunk.data, chunk.num_blocks)
-                await self.runner.call_inline(self._write, cache, part, rows, chunk.int8)
+                await self.runner.call_inline(self._write, cache, part, rows, chunk.int8, fence)
                 written += chunk.num_blocks
                 nbytes += len(chunk.data)
         except grpc.aio.AioRpcError as exc:
@@ -347,6 +354,9 @@ class KVTransferHandler:
             ) from exc
         finally:
             call.cancel()  # a no-op once the stream ended; else the peer stops reading the cache
+            for b in dst:
+                if self._writers.get(b) is fence:
+                    del self._writers[b]
         if written != len(dst):
             raise TransferRefused("DATA_LOSS", f"the peer sent {written} blocks, block_ids has {len(dst)}")
         return worker_pb2.PullKvResponse(num_blocks=written, nbytes=nbytes, transfer_s=time.perf_counter() - start)
@@ -362,11 +372,13 @@ class KVTransferHandler:
         if self._engine.cache is not cache:
             raise TransferRefused("ABORTED", "the worker was warmed up again during the transfer")
 
-    def _write(self, cache: PagedKVCache, dst: list[int], rows: torch.Tensor, int8: bool) -> None:
+    def _write(self, cache: PagedKVCache, dst: list[int], rows: torch.Tensor, int8: bool, fence: object) -> None:
         # NOTE: checked again per chunk, under the engine's lock: a step between two chunks
         # may have admitted a request (a diverged scheduler); never overwrite its KV.
         self._check_same_cache(cache)
         self._check_unowned(dst)
+        if any(self._writers.get(b) is not fence for b in dst):
+            raise TransferRefused("ABORTED", "a later transfer into these blocks superseded this one")
         try:
             cache.import_blocks(dst, rows, int8)
         except ValueError as exc:
@@ -391,3 +403,4 @@ class KVTransferHandler:
     def reset(self) -> None:
         """A Warmup: the cache is new, so every offer of the old one lapses."""
         self.offers.clear()
+        self._writers.clear()

@@ -82,6 +82,23 @@ class WarmupDefaults:
         None, "tokens of the activation probe; none: max(8192, the model's context length)"
     )
     num_gpu_blocks: int | None = opt(None, "use exactly this many KV blocks instead of measuring")
+    role: str = opt(
+        "mixed", "prefill, decode or mixed: this worker's part in a disaggregated deployment (announced in Info)"
+    )
+
+
+ROLES = {
+    "mixed": worker_pb2.WORKER_ROLE_MIXED,
+    "prefill": worker_pb2.WORKER_ROLE_PREFILL,
+    "decode": worker_pb2.WORKER_ROLE_DECODE,
+}
+
+
+def role_value(name: str) -> int:
+    """The WorkerRole of a configured role name; ValueError naming the field otherwise."""
+    if name not in ROLES:
+        raise ValueError(f"role: must be one of {', '.join(ROLES)}, got {name!r}")
+    return ROLES[name]
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +338,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     ) -> None:
         self.runner = runner
         self.kv = KVTransferHandler(runner, peer_security)  # worker-to-worker KV (worker_service/kv_transfer.py)
-        self.role = worker_pb2.WORKER_ROLE_MIXED
+        self.configured_role = role_value(defaults.role)  # its --role: what Info announces between sessions
+        self.role = self.configured_role
         self.metrics = metrics
         self.health = health_servicer
         self.worker_id = worker_id
@@ -347,8 +365,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 int8_swap=self.runner.engine.spec.supports_int8,
                 async_swap=info.device.startswith("cuda"),  # D2H copies on their own stream
                 # NOTE: the role of the live session only: a scheduler reading Info before its own
-                # Warmup must not take a role an earlier session asked for as this worker's.
-                role=self.role if self.lease.live() else worker_pb2.WORKER_ROLE_MIXED,
+                # Warmup must not take a role an earlier session asked for as this worker's; it
+                # reads the worker's configured role (--role) instead.
+                role=self.role if self.lease.live() else self.configured_role,
                 sampling=SAMPLING_METHODS,
             ),
             version=sluice_version(),
@@ -400,7 +419,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             log.warning("warmup forgets the %d requests the worker holds", engine.num_requests)
         self.traceparents.clear()
         self.kv.reset()
-        self.role = request.role or worker_pb2.WORKER_ROLE_MIXED
+        self.role = request.role or self.configured_role
         self.runner.warmed_up = False
         await self._publish_readiness()
         start = time.perf_counter()

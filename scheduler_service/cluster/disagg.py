@@ -9,8 +9,8 @@ decode pool under one Cluster, the request's KV moving between them after its pr
                       request no decode worker has room for waits parked, first come first
                       served (its KV holds the prefill worker's blocks: back-pressure)
     transfer          a KVTransfer (sluice/contract/plan.py) the driver executes: the
-                      simulator prices it on a network link, the live service would have the
-                      workers stream it; the driver answers complete_transfer(result)
+                      simulator prices it on a network link, the live service has the
+                      workers stream it (live/transfers.py); the driver answers complete_transfer(result)
     answered          the prefill worker's blocks are freed (AFTER the transfer); on success
                       the request joins the decode worker's queue holding its reserved,
                       filled table (one token to compute: the first decode); on failure or
@@ -18,7 +18,9 @@ decode pool under one Cluster, the request's KV moving between them after its pr
                       the prefill (prompt + first token) itself
     worker death      prefill worker: its transfers fail over to recomputing on the decode
                       side; decode worker: its reservations are void and the requests, whose
-                      KV the prefill worker still holds, are parked again for another one
+                      KV the prefill worker still holds, are parked again for another one;
+                      a prefill worker that stays up but loses its KV (a failed step, or live:
+                      warmed up again) recomputes its handoffs as a dead one does (kv_lost)
 
 The scheduler's KV accounting owns both ends of every transfer, so the leak check covers
 both pools. `mixed` workers do both (a mixed-only cluster is the colocated Cluster); a
@@ -169,7 +171,7 @@ class DisaggCluster(Cluster):
         if self._role(worker) == PREFILL:
             if result.error is not None:
                 # NOTE: the worker's KV is unreliable after a failed step; what it was to send is too.
-                self._fail_from(worker, now)
+                self.kv_lost(worker, now)
             sched = self.schedulers[worker]
             for request, _ in out.tokens:
                 # A prefill worker never decodes: a sampled token means the prefill is done.
@@ -194,6 +196,24 @@ class DisaggCluster(Cluster):
         self._end(handoff.request, status, now, message)
         self._dispatch(now)
         return True
+
+    def kv_lost(self, worker: int, now: float) -> None:
+        """The worker's KV is gone or unreliable (a failed step; live: it was warmed up again,
+        which rebuilds its cache empty) while it stays up: the requests it prefilled and still
+        holds for a transfer are recomputed on the decode side."""
+        for rid, handoff in list(self._parked.items()):
+            if handoff.src == worker:
+                del self._parked[rid]
+                self.schedulers[worker].kv.free(rid)
+                self._recompute(handoff.request, None, now)
+        for tid, handoff in list(self._inflight.items()):
+            transfer = handoff.transfer
+            assert transfer is not None
+            if transfer.src_worker == worker:
+                del self._inflight[tid]
+                self.transfers.voided += 1
+                self.schedulers[worker].kv.free(transfer.request_id)
+                self._recompute(handoff.request, transfer.dst_worker, now)
 
     def mark_down(self, worker: int, now: float) -> list[Request]:
         moved = super().mark_down(worker, now)
@@ -378,21 +398,6 @@ class DisaggCluster(Cluster):
                 self._ended.append(request)
             return
         self._join_decode(request, worker, now)
-
-    def _fail_from(self, worker: int, now: float) -> None:
-        for rid, handoff in list(self._parked.items()):
-            if handoff.src == worker:
-                del self._parked[rid]
-                self.schedulers[worker].kv.free(rid)
-                self._recompute(handoff.request, None, now)
-        for tid, handoff in list(self._inflight.items()):
-            transfer = handoff.transfer
-            assert transfer is not None
-            if transfer.src_worker == worker:
-                del self._inflight[tid]
-                self.transfers.voided += 1
-                self.schedulers[worker].kv.free(transfer.request_id)
-                self._recompute(handoff.request, transfer.dst_worker, now)
 
     def _release(self, handoff: Handoff, now: float) -> None:
         """Frees both ends of a handoff that will not complete."""

@@ -41,6 +41,11 @@ class LiveConfig:
     overlap: bool = opt(
         True, "plan each worker's next step while it runs the current one (overlapped scheduling; --no-overlap: off)"
     )
+    transfer_timeout_s: float = opt(
+        10.0, "disaggregated: a KV transfer not done in this many seconds is given up (the decode worker recomputes)"
+    )
+    transfer_blocks_per_chunk: int = opt(0, "disaggregated: KV blocks per streamed chunk; 0: the worker picks (~4 MiB)")
+    int8_transfer: bool = opt(False, "disaggregated: int8-compress the KV moved between workers (where supported)")
     retry_after_s: float = opt(0.5, "the RetryInfo delay given with RESOURCE_EXHAUSTED")
     step_timeout_s: float = opt(30.0, "a worker that takes longer for one step is treated as lost")
     connect_timeout_s: float = opt(60.0, "seconds for Info + Warmup of one worker")

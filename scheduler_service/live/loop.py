@@ -93,6 +93,23 @@ class WorkerLoop:
         self._last_contact = live.clock()
         self.retiring = False  # set by retire(): end between two steps
         self.pipeline = StepPipeline(self)
+        # The worker's sessions: bumped when a loss begins and when it is resolved (warmed up
+        # again, or marked down), so a KV transfer that spans either is known to be void
+        # (live/transfers.py). `next_progress` wakes on every answered step and every bump.
+        self.epoch = 0
+        self._progress = asyncio.Event()
+
+    async def next_progress(self) -> None:
+        """Until the worker answers a step or its session changes."""
+        await self._progress.wait()
+
+    def _progressed(self) -> None:
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    def _new_epoch(self) -> None:
+        self.epoch += 1
+        self._progressed()
 
     def retire(self) -> None:
         """Asks the loop to end after the steps in flight (if any) have been delivered."""
@@ -188,6 +205,7 @@ class WorkerLoop:
         """The worker answered a step."""
         self._last_contact = now
         self._diverged = False
+        self._progressed()  # NOTE: its waiters run after this step's answer has been applied
 
     async def sleep_until_due(self) -> None:
         await self._sleep()
@@ -209,16 +227,19 @@ class WorkerLoop:
     async def _lose(self, why: str) -> None:
         log.warning("worker %d: %s; warming it up again", self.worker_id, why)
         self.last_error = why
+        self._new_epoch()
         await self.remote.close()
         self.pipeline.clear()
         if await self._resume():
             self.num_resyncs += 1
             log.info("worker %d at %s: new session; its requests recompute on it", self.worker_id, self.remote.address)
             self.live.worker_reset(self.worker_id)
+            self._new_epoch()
             return
         self._diverged = False
         self.connected = False
         self.live.worker_lost(self.worker_id, self.live.clock())
+        self._new_epoch()
 
     def _warmup_options(self) -> WarmupOptions:
         cfg = self.live.config
@@ -244,9 +265,12 @@ class WorkerLoop:
 
     def _same_shape(self, back: WorkerCapacity) -> bool:
         cap = self.capacity
-        if (back.model, back.block_size, back.num_cpu_blocks) == (cap.model, cap.block_size, cap.num_cpu_blocks):
+        shape = (cap.model, cap.block_size, cap.num_cpu_blocks, cap.role)
+        if (back.model, back.block_size, back.num_cpu_blocks, back.role) == shape:
             return True
-        self.last_error = f"worker came back with a different model or KV shape: {back}"
+        # NOTE: a worker's role fixes its pool in a disaggregated cluster; one that comes back
+        # with another role (restarted with a different --role) is not the same worker.
+        self.last_error = f"worker came back with a different model, KV shape or role: {back}"
         log.error("worker %d: %s", self.worker_id, self.last_error)
         return False
 
@@ -264,6 +288,7 @@ class WorkerLoop:
             self._backoff_s = cfg.reconnect_max_s
             return
         log.warning("worker %d at %s is back", self.worker_id, self.remote.address)
+        self._new_epoch()
         self.connected = True
         self.last_error = ""
         self._backoff_s = cfg.reconnect_min_s

@@ -61,6 +61,11 @@ class WorkerDiverged(WorkerLost):
         self.result = result
 
 
+class TransferFailed(Exception):
+    """A KV transfer call failed (the worker refused it, did not answer, or is not connected);
+    the request's prefill is then recomputed on the decode side."""
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerCapacity:
     """What Info and Warmup told us; fixed for the worker's KVCacheManager."""
@@ -139,7 +144,11 @@ class RemoteWorker:
             info = await stub.Info(
                 worker_pb2.InfoRequest(), timeout=timeout_s, wait_for_ready=wait, metadata=self.security.metadata
             )
-            warm = await stub.Warmup(options.to_proto(), timeout=timeout_s, metadata=self.metadata)
+            warmup = options.to_proto()
+            # NOTE: the session keeps the role the worker announced (its --role, or the role of
+            # our own session when we warm it up again), so Info says the same while we hold it.
+            warmup.role = info.capabilities.role
+            warm = await stub.Warmup(warmup, timeout=timeout_s, metadata=self.metadata)
             self.session = warm.session_id or None
             health = await stub.Health(worker_pb2.HealthRequest(), timeout=timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
@@ -260,6 +269,30 @@ class RemoteWorker:
             raise WorkerLost(f"worker {self.address} stopped serving: {health.message}")
         if self.session and not health.lease_holder:
             raise WorkerLost(f"worker {self.address}: our lease is gone (the worker restarted or was taken over)")
+
+    # Disaggregated prefill and decode: the KV transfer calls (worker_service/kv_transfer.py), on
+    # the channel of the step stream and with its session; live/transfers.py drives them.
+    async def offer_kv(self, request: worker_pb2.OfferKvRequest, timeout_s: float) -> worker_pb2.OfferKvResponse:
+        """OfferKv on this (prefill) worker: the one-time token of the blocks' KV."""
+        return await self._unary("OfferKv", request, timeout_s)
+
+    async def pull_kv(self, request: worker_pb2.PullKvRequest, timeout_s: float) -> worker_pb2.PullKvResponse:
+        """PullKv on this (decode) worker: it reads the offered KV from its peer into its blocks."""
+        return await self._unary("PullKv", request, timeout_s)
+
+    async def _unary(self, method: str, request: object, timeout_s: float) -> object:
+        if self._channel is None:
+            raise TransferFailed(f"worker {self.address} is not connected")
+        rpc = getattr(worker_pb2_grpc.WorkerServiceStub(self._channel), method)
+        try:
+            return await rpc(request, timeout=timeout_s, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise TransferFailed(f"worker {self.address}: {method}: {exc.code().name}: {exc.details()}") from exc
+        except asyncio.CancelledError as exc:
+            _raise_if_we_are_cancelled()  # else the call was cancelled under us: the channel closed
+            raise TransferFailed(f"worker {self.address}: {method} was cancelled (the channel closed)") from exc
+        except (grpc.RpcError, grpc.aio.BaseError, asyncio.InvalidStateError) as exc:
+            raise TransferFailed(f"worker {self.address}: {method}: {_describe(exc)}") from exc
 
     async def end_lease(self, timeout_s: float = 1.0) -> None:
         """Gives the worker's lease up (at shutdown), so another scheduler need not wait for it

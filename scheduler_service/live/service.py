@@ -13,6 +13,9 @@
     abort():   the owner only; Cluster.abort (blocks free now, the worker is told next step) -> settle
     failures:  worker_lost -> Cluster.mark_down (recompute on the others, or end UNAVAILABLE
                when none is left); worker_back -> mark_up
+    transfers: a disaggregated cluster (some worker's role is prefill or decode, as its Info
+               announced) issues KV transfers; settle() starts one task each (live/transfers.py:
+               OfferKv on the prefill worker, PullKv on the decode worker, complete_transfer)
     scaling:   add_worker(address): connect (Info, Warmup), checked against what is served ->
                Cluster.add_worker -> a new WorkerLoop; remove_worker(address): the loop retires
                between two steps -> Cluster.remove_worker (its requests move as a lost
@@ -31,7 +34,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
-from scheduler_service.cluster import ClusterSpec, WorkerSpec, build_cluster
+from scheduler_service.cluster import ClusterSpec, DisaggCluster, WorkerSpec, build_cluster
 from scheduler_service.cluster.lengths import GivenLengths
 from scheduler_service.core.preemption import RejectReason
 from scheduler_service.core.request import Request, RequestStatus
@@ -44,6 +47,7 @@ from scheduler_service.live.loop import WorkerLoop
 from scheduler_service.live.observe import LiveMetrics
 from scheduler_service.live.remote import RemoteWorker, WarmupOptions, WorkerCapacity, WorkerLost
 from scheduler_service.live.stream import RequestStream
+from scheduler_service.live.transfers import KVTransfers, check_transfer_config
 from sluice.common.grpc_server import KEEPALIVE, Keepalive
 from sluice.common.predictor_client import PredictorClient
 from sluice.common.prom import ServingMetrics
@@ -122,6 +126,7 @@ def cluster_spec(cfg: LiveConfig, caps: Sequence[WorkerCapacity], max_model_len:
         int8_swap=cfg.int8_swap and all(c.int8_swap for c in caps),
         length_source=GivenLengths(),
         prefix_caching=cfg.prefix_caching,
+        int8_transfer=cfg.int8_transfer and all(c.int8_swap for c in caps),  # NOTE: one int8 codec for both
         overlap=cfg.overlap,
     )
 
@@ -145,6 +150,7 @@ class LiveScheduler:
             raise ValueError("the scheduler needs at least one worker address")
         self.addresses = list(addresses)
         self.config = config or LiveConfig()
+        check_transfer_config(self.config)
         self.serving = serving
         self.clock = clock
         self.security = security
@@ -163,6 +169,7 @@ class LiveScheduler:
         self._encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-encode")
         self._decode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-decode")
         self._decode_lock = asyncio.Lock()
+        self.transfers = KVTransfers(self)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -287,6 +294,7 @@ class LiveScheduler:
                 task.cancel()
             _, pending = await asyncio.wait(pending, timeout=0.1)
         self._tasks = []
+        await self.transfers.close()
         for rid, stream in list(self.streams.items()):
             stream.unavailable = True
             self.abort(rid, "server shutting down")
@@ -416,6 +424,7 @@ class LiveScheduler:
     def settle(self) -> None:
         """Requests that ended get their last message; every loop with work is woken (a request
         may have been placed, re-routed or released from the router's pool)."""
+        self.transfers.start_issued()
         for request in self.cluster.pop_ended():
             if self.predictor is not None:
                 self.predictor.observe(request)
@@ -464,7 +473,10 @@ class LiveScheduler:
     def worker_reset(self, worker_id: int) -> None:
         """The worker was warmed up again on a new session (its state wiped): the requests it
         held recompute on it; it never counted as down."""
-        self.cluster.schedulers[worker_id].reset_worker(self.clock())
+        now = self.clock()
+        self.cluster.schedulers[worker_id].reset_worker(now)
+        if isinstance(self.cluster, DisaggCluster):
+            self.cluster.kv_lost(worker_id, now)  # the KV it prefilled for a transfer is gone too
         self.metrics.on_reconnect(worker_id)
         self.settle()
 
@@ -513,6 +525,11 @@ class LiveScheduler:
             raise ValueError(
                 f"worker {address} serves {(cap.model, cap.block_size, cap.vocab_size)}, not {served} "
                 "(model, block size, vocabulary)"
+            )
+        if cap.role != "mixed" and not isinstance(self.cluster, DisaggCluster):
+            raise ValueError(
+                f"worker {address} announces role {cap.role}, but this cluster was started colocated "
+                "(all workers mixed): start the scheduler with its prefill and decode workers"
             )
         blocks = self.limits.max_kv_tokens // self.block_size
         if cap.max_model_len < self.max_model_len or cap.num_gpu_blocks < blocks:
