@@ -25,8 +25,10 @@ Overlapped scheduling, side by side (`--modes`, after the table above): the same
 steps driven as the live loop drives them, with overlap off (plan, send, wait, apply) and on
 (plan N+1 and send it before reading answer N, live/pipeline.py), against an echo worker whose
 step takes `--step-ms` of device time (20 ms), awaited off the worker's CPU as a GPU's kernels
-run (`--echo-async-device`), and against one with none (0 ms: a step's period is then the
-system's overhead itself):
+run (`--echo-async-device`), with its engine pipeline on and off side by side (`--worker-pipelines`:
+worker_service/step_pipeline.py launches step N+1 before collecting N, so the worker's own
+per-step work runs while the device computes), and with `--zero-ms` against echo workers with
+no device time (a step's period is then the system's overhead itself):
 
     visible overhead = step period (answer to answer, steady decode) - the emulated device step
     beyond the worker = step period - the worker's own time for the step (StepResult.total_s)
@@ -36,7 +38,8 @@ The target is a visible overhead of at most 1% of a 20 ms step at 256 sequences 
 on, and a decode throughput with overlap at least as high as without. `--model-worker` adds
 the torch CPU model (tiny-llama, dummy weights) at `--model-seqs` sequences.
 
-    python benchmarks/live_step_overhead.py --modes [--mode-sizes 64,256] [--step-ms 20] [--model-worker]
+    python benchmarks/live_step_overhead.py --modes-only [--mode-sizes 64,256] [--step-ms 20] [--rounds 3]
+        [--worker-pipelines on,off] [--zero-ms] [--model-worker]
 """
 
 from __future__ import annotations
@@ -304,28 +307,37 @@ async def modes_async(args: argparse.Namespace) -> list[ModeResult]:
     from tqdm import tqdm
 
     sizes = [int(s) for s in args.mode_sizes.split(",")]
-    workers = [(f"echo {args.step_ms:g} ms", "echo", args.step_ms, sizes, PROMPT_LEN)]
-    if args.step_ms:
-        workers.append(("echo 0 ms", "echo", 0.0, sizes, PROMPT_LEN))
+    pipelines = [p.strip() for p in args.worker_pipelines.split(",")]
+    # (label, engine, device step ms, sizes, prompt length, worker flags)
+    workers: list[tuple[str, str, float, list[int], int, tuple[str, ...]]] = []
+    for pipeline in pipelines:
+        flags = ("--worker-pipeline", pipeline)
+        echo = ("--echo-step-ms", str(args.step_ms), "--echo-async-device", *flags)
+        workers.append(
+            (f"echo {args.step_ms:g} ms, worker pipeline {pipeline}", "echo", args.step_ms, sizes, PROMPT_LEN, echo)
+        )
+        if args.step_ms and args.zero_ms:
+            zero = ("--echo-step-ms", "0", "--echo-async-device", *flags)
+            workers.append((f"echo 0 ms, worker pipeline {pipeline}", "echo", 0.0, sizes, PROMPT_LEN, zero))
     if args.model_worker:
-        workers.append(("tiny-llama CPU", "torch", 0.0, [args.model_seqs], 16))
+        workers.append(("tiny-llama CPU", "torch", 0.0, [args.model_seqs], 16, ()))
     jobs = [(w, n, o) for w in workers for n in w[3] for o in (False, True)]
     periods: dict[tuple[str, int, bool], list[tuple[float, float]]] = {}
-    with tqdm(total=args.rounds * len(jobs), desc="overlap on/off", unit="run", leave=False) as bar:
-        for label, engine, step_ms, _, prompt_len in workers:
-            extra = ("--echo-step-ms", str(step_ms), "--echo-async-device") if engine == "echo" else ()
-            worker = spawn_worker(engine=engine, extra=extra)
-            try:
-                for _ in range(args.rounds):
-                    for w, n, overlap in jobs:
-                        if w[0] != label:
-                            continue
-                        steps = args.steps if engine == "echo" else max(20, args.steps // 4)
-                        measured = await measure_mode(worker.address, n, steps, args.warmup, overlap, prompt_len)
-                        periods.setdefault((label, n, overlap), []).append(measured)
-                        bar.update()
-            finally:
-                worker.stop()
+    # NOTE: every worker runs from the start and the rounds go over all of them in turn
+    # (interleaved): this machine's speed drifts from minute to minute.
+    spawned = {w[0]: spawn_worker(engine=w[1], extra=w[5], worker_id=i) for i, w in enumerate(workers)}
+    try:
+        with tqdm(total=args.rounds * len(jobs), desc="overlap on/off", unit="run", leave=False) as bar:
+            for _ in range(args.rounds):
+                for (label, engine, _, _, prompt_len, _), n, overlap in jobs:
+                    steps = args.steps if engine == "echo" else max(20, args.steps // 4)
+                    address = spawned[label].address
+                    measured = await measure_mode(address, n, steps, args.warmup, overlap, prompt_len)
+                    periods.setdefault((label, n, overlap), []).append(measured)
+                    bar.update()
+    finally:
+        for worker in spawned.values():
+            worker.stop()
     out = []
     for (label, n, overlap), values in periods.items():
         device = next(w[2] for w in workers if w[0] == label)
@@ -376,6 +388,10 @@ def main() -> int:
     p.add_argument("--step-ms", type=float, default=20.0, help="the echo worker's emulated device step for --modes")
     p.add_argument("--model-worker", action="store_true", help="--modes also with the torch CPU model (tiny-llama)")
     p.add_argument("--model-seqs", type=int, default=32, help="sequences for --model-worker")
+    p.add_argument(
+        "--worker-pipelines", default="on,off", help="the echo workers' --worker-pipeline settings, side by side"
+    )
+    p.add_argument("--zero-ms", action="store_true", help="--modes also against echo workers with no device time")
     args = p.parse_args()
     if args.modes or args.modes_only:
         modes = asyncio.run(modes_async(args))
