@@ -149,6 +149,9 @@ class RequestState:
     block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32), compare=False, repr=False)
     cpu_block_ids: list[int] = field(default_factory=list)  # where its KV sits while swapped out
     generator: torch.Generator | None = None
+    # tokens sampled for it and not back on the host yet, oldest first: (the launched step, its row
+    # among that step's tokens); they follow `token_ids`
+    pending: list[tuple[Launched, int]] = field(default_factory=list, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +178,7 @@ class Launched:
     tokens: torch.Tensor | None  # on the device: the next step's inputs refer to it
     host: torch.Tensor | None = None  # the same tokens copied back (queued right behind the sampler)
     values: list[int] | None = None  # once back on the host
+    states: list[RequestState] = field(default_factory=list)  # the requests that sample, as launched
     prepare_s: float = 0.0
     swap_s: float | None = None  # None: the swap's GPU time is read once the step is done
     swap_bytes: int = 0
@@ -207,8 +211,7 @@ class LLMEngine:
         self.cache: PagedKVCache | None = None
         self.graphs: DecodeGraphs | None = None
         self.requests: dict[str, RequestState] = {}
-        # request -> (its state, the launched step whose token it waits for, the token's index)
-        self._unresolved: dict[str, tuple[RequestState, Launched, int]] = {}
+        self._uncollected: list[Launched] = []  # launched steps whose tokens are not back, oldest first
         self._last: Launched | None = None  # the last step launched and not collected
         self.book = PlanBook(config.block_size, self.max_model_len, self.model_config.vocab_size)
 
@@ -247,7 +250,7 @@ class LLMEngine:
             raise ValueError(f"need >= 1 GPU block and >= 0 CPU blocks, got {num_gpu_blocks}, {num_cpu_blocks}")
         self.cache = self.graphs = None
         self.requests.clear()
-        self._unresolved.clear()
+        self._uncollected.clear()
         self._last = None
         self.cache = PagedKVCache(self.spec, num_gpu_blocks, num_cpu_blocks, self.device)
         self.book.reset(num_gpu_blocks, num_cpu_blocks)
@@ -418,20 +421,22 @@ class LLMEngine:
             self.requests[rid].num_computed_tokens += n
         tokens = host = None
         if logits is not None:
-            if self._unresolved and any(needs_penalties(self.requests[r].sampling) for r in batch.sample_ids):
-                # NOTE: penalties read every earlier token's value: the step before must be back.
-                for step in {id(u[1]): u[1] for u in self._unresolved.values()}.values():
+            if self._uncollected and any(needs_penalties(self.requests[r].sampling) for r in batch.sample_ids):
+                # NOTE: penalties read every earlier token's value: the steps before must be back.
+                for step in list(self._uncollected):
                     self._resolve(step)
             tokens = self.sampler.sample(logits, [self._sampling_row(rid) for rid in batch.sample_ids])
             # NOTE: the copy back is queued now, right behind the sampler: queued after the next
             # step's kernels, it would wait for them too.
             host = tokens.to("cpu", non_blocking=True) if self.device.type == "cuda" else tokens
         clock.mark("sampled")
-        launched = Launched(plan.step_id, started, clock, batch.sample_ids, tokens, host)
-        for i, rid in enumerate(batch.sample_ids):
-            state = self.requests[rid]
+        states = [self.requests[rid] for rid in batch.sample_ids]
+        launched = Launched(plan.step_id, started, clock, batch.sample_ids, tokens, host, states=states)
+        for i, state in enumerate(states):
             state.num_output_tokens += 1
-            self._unresolved[rid] = (state, launched, i)
+            state.pending.append((launched, i))
+        if tokens is not None:
+            self._uncollected.append(launched)
         return launched
 
     def _resolve(self, launched: Launched) -> list[int]:
@@ -444,13 +449,14 @@ class LLMEngine:
             return launched.values
         launched.clock.wait()
         values = launched.host.tolist()
-        unresolved = self._unresolved
-        for rid, token in zip(launched.sample_ids, values, strict=True):
-            held = unresolved.get(rid)
-            if held is not None and held[1] is launched:
-                del unresolved[rid]
-                if self.requests.get(rid) is held[0]:
-                    held[0].token_ids.append(token)
+        requests = self.requests
+        for rid, state, token in zip(launched.sample_ids, launched.states, values, strict=True):
+            # steps resolve in launch order, so this step's token is the oldest pending one
+            if state.pending and state.pending[0][0] is launched:
+                del state.pending[0]
+                if requests.get(rid) is state:
+                    state.token_ids.append(token)
+        self._uncollected.remove(launched)
         launched.values = values
         return values
 
@@ -460,36 +466,35 @@ class LLMEngine:
         chunks: list[SeqChunk] = []
         rows: list[int] = []
         sampled: list[str] = []
-        fix_rows: list[int] = []
-        fix_src: list[int] = []
-        source: torch.Tensor | None = None
+        fills: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # by source step: (tokens, rows, indices)
         kernels = self.attention == "triton"
-        unresolved = self._unresolved
         for rid, n in order:
             state = self.requests[rid]
             start = state.num_computed_tokens
             known = state.token_ids[start : start + n]
             ids.extend(known)
             if len(known) < n:
-                # The last input is the token the step before sampled, still on the device.
-                held = unresolved.get(rid)
-                if held is None or held[0] is not state or len(known) != n - 1 or held[1].tokens is None:
+                # The last inputs are tokens steps before sampled, still on the device: by reference.
+                first = start + len(known) - len(state.token_ids)
+                if first < 0 or first + n - len(known) > len(state.pending):
                     raise StepPlanError(f"schedules tokens [{start}, {start + n}) but the worker knows fewer", rid)
-                if source is not None and held[1].tokens is not source:
-                    raise StepPlanError("inputs from two unfinished steps", rid, code="FAILED_PRECONDITION")
-                source = held[1].tokens
-                fix_rows.append(len(ids))
-                fix_src.append(held[2])
-                ids.append(0)
+                for step, index in state.pending[first : first + n - len(known)]:
+                    assert step.tokens is not None
+                    fill = fills.setdefault(id(step), (step.tokens, [], []))
+                    fill[1].append(len(ids))
+                    fill[2].append(index)
+                    ids.append(0)
             positions.append(np.arange(start, start + n, dtype=np.int64))
             chunks.append(SeqChunk(start, n, state.block_array if kernels else state.block_table))
             if rid in sample_ids:
                 rows.append(len(ids) - 1)
                 sampled.append(rid)
         fill = None
-        if source is not None:
-            device_rows = to_device(np.asarray(fix_rows, dtype=np.int64), self.device)
-            fill = (device_rows, source[to_device(np.asarray(fix_src, dtype=np.int64), self.device)])
+        if fills:
+            dev = self.device
+            all_rows = np.asarray([r for _, rs, _ in fills.values() for r in rs], dtype=np.int64)
+            values = [src[to_device(np.asarray(idx, dtype=np.int64), dev)] for src, _, idx in fills.values()]
+            fill = (to_device(all_rows, dev), values[0] if len(values) == 1 else torch.cat(values))
         return HostBatch(np.asarray(ids, dtype=np.int64), np.concatenate(positions), chunks, rows, sampled, fill)
 
     def _forward(self, batch: HostBatch) -> torch.Tensor:

@@ -94,8 +94,11 @@ class FinishedFilter:
     # -- the worker's pipeline: a step launched before the one it follows is collected ----
 
     def filter_launch(self, plan: StepPlan, entries: Mapping[str, _Entry]) -> StepPlan:
-        """The plan without the requests the step it follows ends by count (max_tokens, the
-        context length): what is known before that step's tokens are back."""
+        """The plan without the requests the step it follows ends: by every rule when that
+        step is collected already, else by count (max_tokens, the context length), what is
+        known before its tokens are back."""
+        if plan.follows_step_id and plan.follows_step_id == self._last_step:
+            return self.filter(plan, entries)
         if not plan.follows_step_id or plan.follows_step_id != self._launched_last:
             return plan
         before = self._launched_samples
@@ -109,6 +112,7 @@ class FinishedFilter:
     def launch_failed(self) -> None:
         """The last plan did not run: a plan following it drops nothing."""
         self._launched_last, self._launched_samples = 0, frozenset()
+        self.observe_result(0, {})
 
     def collected(self, step_id: int, sampled: dict[str, int], entries: Mapping[str, _Entry]) -> dict[str, int]:
         """A collected step's tokens, less those of requests the step before ended by token;
@@ -121,6 +125,7 @@ class FinishedFilter:
         if drop:
             sampled = {rid: t for rid, t in sampled.items() if rid not in drop}
             self.num_dropped += len(drop)
+        self.observe_result(step_id, sampled)
         if not self._launched:
             return sampled
         next_step, next_samples = self._launched[0]
@@ -141,6 +146,7 @@ class FinishedFilter:
         self._launched.clear()
         self._drop_from.clear()
         self.launch_failed()
+        self.observe_result(0, {})
 
     def _ends_by_count(self, rid: str, entries: Mapping[str, _Entry]) -> bool:
         known = self._requests.get(rid)

@@ -70,7 +70,10 @@ def pipelined(names: tuple[str, ...], preempt: Preempt | None = None) -> MiniSch
         in_flight = (launched, preempt(sched, step) if preempt is not None else set())
     assert in_flight is not None
     fill(sched, eng.collect(in_flight[0]).sampled_token_ids, in_flight[1])
-    assert not eng._unresolved, "every token launched came back"
+    assert not eng._uncollected, "every token launched came back"
+    for rid, state in eng.requests.items():
+        assert state.token_ids == sched.tokens[rid], f"the engine's history of {rid} holds every token, in order"
+        assert not state.pending
     return sched
 
 
