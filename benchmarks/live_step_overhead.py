@@ -378,9 +378,11 @@ def modes_summary(results: list[ModeResult]) -> str:
         if not overlap:
             continue
         off = by[(worker, n, False)]
+        before, after = off.mean_period_ms - off.device_ms, on.mean_period_ms - on.device_ms
         lines.append(
             f"{worker}, {n} seqs: visible overhead {off.visible_ms:.3f} -> {on.visible_ms:.3f} ms "
-            f"({off.share:.2%} -> {on.share:.2%} of 20 ms), beyond the worker's own step "
+            f"({off.share:.2%} -> {on.share:.2%} of 20 ms; from the mean period {before:.3f} -> {after:.3f} ms, "
+            f"{before / 1e3 / GPU_STEP_S:.2%} -> {after / 1e3 / GPU_STEP_S:.2%}), beyond the worker's own step "
             f"{off.gap_ms:.3f} -> {on.gap_ms:.3f} ms; throughput x{on.tok_s / off.tok_s:.2f} with overlap"
         )
     return "\n".join(lines)
