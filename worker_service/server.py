@@ -8,6 +8,11 @@ serializes engine calls (they never interleave, even when two streams are open) 
 where a step runs: on the event loop when it is predicted short, on the engine thread when
 it is not, so health checks are still answered during a long CPU prefill.
 
+Where the device computes apart from the host CPU (CUDA, the echo engine's async device), an
+Execute stream runs through the engine pipeline instead (worker_service/step_pipeline.py): step
+N+1 is launched (`engine.launch`) before step N is collected (`engine.collect`), so the worker's
+own per-step work runs while the device computes; `--worker-pipeline off` turns it off.
+
 A plan that fails to decode or that the engine rejects (`StepPlanError`) is answered with
 `ExecuteResponse.error` and the stream carries on; any other exception means the engine
 state may be half-applied, so the engine is marked failed: that step is answered INTERNAL,
