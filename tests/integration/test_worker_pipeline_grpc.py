@@ -19,7 +19,7 @@ from worker_service.server import EngineRunner, WorkerServerOptions, build_serve
 
 BLOCK = 4
 PROMPT = 4
-DEVICE_S = 0.05  # long enough that a plan sent on an answer arrives while the next step runs
+DEVICE_S = 0.2  # long enough that a plan sent on an answer arrives while the next step runs, even on a busy machine
 
 
 def plan(step: int, scheduled: dict[str, int], follows: int = 0, new=(), release=()) -> StepPlan:
