@@ -456,7 +456,8 @@ class LLMEngine:
                 del state.pending[0]
                 if requests.get(rid) is state:
                     state.token_ids.append(token)
-        self._uncollected.remove(launched)
+        if launched in self._uncollected:  # (not after a new KV cache forgot every step)
+            self._uncollected.remove(launched)
         launched.values = values
         return values
 
@@ -477,7 +478,9 @@ class LLMEngine:
                 # The last inputs are tokens steps before sampled, still on the device: by reference.
                 first = start + len(known) - len(state.token_ids)
                 if first < 0 or first + n - len(known) > len(state.pending):
-                    raise StepPlanError(f"schedules tokens [{start}, {start + n}) but the worker knows fewer", rid)
+                    # NOTE: the book counts uncollected tokens as known and checked this plan, so
+                    # this is the engine's own state gone wrong (the plan is applied by now).
+                    raise RuntimeError(f"request {rid!r}: inputs [{start}, {start + n}) past its tokens")
                 for step, index in state.pending[first : first + n - len(known)]:
                     assert step.tokens is not None
                     fill = fills.setdefault(id(step), (step.tokens, [], []))

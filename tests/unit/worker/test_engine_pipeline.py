@@ -114,11 +114,26 @@ def test_a_request_released_and_sent_again_while_its_step_is_uncollected_keeps_i
     assert out == base.outputs("greedy")[: len(out)] and len(out) >= STEPS - 2
 
 
-def test_a_plan_needing_a_token_the_engine_does_not_have_is_refused() -> None:
+def test_uncollected_tokens_count_as_known_and_no_further() -> None:
+    """With a step launched and not collected, the next decode (its input the uncollected token)
+    is accepted; a plan reaching past that token is refused before anything changes."""
     eng = engine()
     sched = mini(eng, ("greedy",))
-    sched.step(schedule_all(sched))
-    # two tokens past what is known: the scheduler's view is ahead of the worker's
-    sched.tokens["greedy"].extend([PLACEHOLDER, PLACEHOLDER])
-    with pytest.raises(StepPlanError):
-        eng.launch(sched.build({"greedy": 3}))
+    first = sched.build(schedule_all(sched))
+    eng.launch(first)
+    prompt = len(sched.tokens["greedy"])
+    sched.releases, sched.step_id = [], 1
+    sched.on_worker.add("greedy")
+    sched.computed["greedy"] = prompt
+    sched.tokens["greedy"].extend([PLACEHOLDER, PLACEHOLDER])  # a scheduler two tokens ahead
+    state = eng.requests["greedy"]
+    before = (list(state.token_ids), state.num_computed_tokens, len(state.pending))
+    with pytest.raises(StepPlanError, match="are known"):
+        eng.launch(sched.build({"greedy": 2}))
+    assert (list(state.token_ids), state.num_computed_tokens, len(state.pending)) == before
+    sched.tokens["greedy"].pop()
+    second = eng.launch(sched.build({"greedy": 1}))
+    assert len(state.pending) == 2, "two tokens on their way back"
+    assert eng.collect(eng._uncollected[0]).sampled_token_ids.keys() == {"greedy"}
+    assert eng.collect(second).sampled_token_ids.keys() == {"greedy"}
+    assert len(state.token_ids) == prompt + 2 and not state.pending and not eng._uncollected
