@@ -1,7 +1,8 @@
 """The engine's pipeline (LLMEngine.launch / collect): step N+1 launched before step N's tokens
 are collected, its inputs taking N's tokens by reference, gives the tokens of one step at a
 time, with greedy, seeded and penalised sampling, and a request released and sent again while
-its step is still uncollected."""
+its step is still uncollected. On CUDA (marked gpu) with and without decode graphs, where the
+reference is a device-side write into the next step's (graph) input."""
 
 from __future__ import annotations
 
@@ -24,9 +25,20 @@ SAMPLING = {
 STEPS = 10
 
 
-def engine() -> LLMEngine:
+ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+DEVICES = [
+    pytest.param(("cpu", False), id="cpu"),
+    pytest.param(("cuda", True), id="cuda-graphs", marks=ON_CUDA),
+    pytest.param(("cuda", False), id="cuda-eager", marks=ON_CUDA),
+]
+
+
+def engine(device: tuple[str, bool] = ("cpu", False)) -> LLMEngine:
     torch.set_num_threads(1)
-    return make_engine("tiny-llama", num_gpu_blocks=128)
+    name, graphs = device
+    if name == "cpu":
+        return make_engine("tiny-llama", num_gpu_blocks=128)
+    return make_engine("tiny-llama", num_gpu_blocks=128, device=name, cuda_graphs=graphs)
 
 
 def mini(eng: LLMEngine, names: tuple[str, ...]) -> MiniScheduler:
@@ -40,8 +52,10 @@ def schedule_all(sched: MiniScheduler) -> dict[str, int]:
     return {rid: sched.remaining_prefill(rid) for rid in sched.tokens}
 
 
-def one_at_a_time(names: tuple[str, ...], preempt: Preempt | None = None) -> MiniScheduler:
-    sched = mini(engine(), names)
+def one_at_a_time(
+    names: tuple[str, ...], preempt: Preempt | None = None, device: tuple[str, bool] = ("cpu", False)
+) -> MiniScheduler:
+    sched = mini(engine(device), names)
     for step in range(STEPS):
         sched.step(schedule_all(sched))
         if preempt is not None:
@@ -49,10 +63,12 @@ def one_at_a_time(names: tuple[str, ...], preempt: Preempt | None = None) -> Min
     return sched
 
 
-def pipelined(names: tuple[str, ...], preempt: Preempt | None = None) -> MiniScheduler:
+def pipelined(
+    names: tuple[str, ...], preempt: Preempt | None = None, device: tuple[str, bool] = ("cpu", False)
+) -> MiniScheduler:
     """Plans step N+1 on counts alone (a placeholder for each token N samples) and launches it
     before collecting N, as the worker's pipeline does."""
-    eng = engine()
+    eng = engine(device)
     sched = mini(eng, names)
     in_flight: tuple[Launched, set[str]] | None = None  # the uncollected step, requests voided in it
     for step in range(STEPS):
@@ -84,9 +100,10 @@ def fill(sched: MiniScheduler, sampled: dict[str, int], voided: set[str]) -> Non
             tokens[tokens.index(PLACEHOLDER)] = token
 
 
-def test_launching_ahead_gives_the_tokens_of_one_step_at_a_time() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_launching_ahead_gives_the_tokens_of_one_step_at_a_time(device: tuple[str, bool]) -> None:
     names = tuple(SAMPLING)
-    base, ahead = one_at_a_time(names), pipelined(names)
+    base, ahead = one_at_a_time(names, device=device), pipelined(names, device=device)
     for rid in names:
         assert len(base.outputs(rid)) == STEPS
         assert ahead.outputs(rid) == base.outputs(rid), rid
@@ -104,9 +121,12 @@ def preempt_greedy_at_step_4(sched: MiniScheduler, step: int) -> set[str]:
     return {"greedy"}
 
 
-def test_a_request_released_and_sent_again_while_its_step_is_uncollected_keeps_its_tokens() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_request_released_and_sent_again_while_its_step_is_uncollected_keeps_its_tokens(
+    device: tuple[str, bool],
+) -> None:
     names = ("greedy", "penalised")
-    base, ahead = one_at_a_time(names), pipelined(names, preempt_greedy_at_step_4)
+    base, ahead = one_at_a_time(names, device=device), pipelined(names, preempt_greedy_at_step_4, device)
     assert ahead.outputs("penalised") == base.outputs("penalised")
     # greedy: the voided token is computed again after the restart, so the same tokens come
     out = ahead.outputs("greedy")
