@@ -494,9 +494,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     self._fail_engine,
                     self._count_step,
                 )
-                async for response in pipeline.run(reader):
-                    yield response
-                    self.lease.renew_if_holder(session)
+                # NOTE: closed here, not whenever the loop finalizes it: a stream that ends early
+                # must have its launched steps collected before the next stream's steps launch.
+                async with contextlib.aclosing(pipeline.run(reader)) as responses:
+                    async for response in responses:
+                        yield response
+                        self.lease.renew_if_holder(session)
                 return
             failed = 0  # the last step on this stream that failed or was void
             async for incoming in reader:

@@ -6,6 +6,7 @@ is forgotten; nothing stays held."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -14,7 +15,7 @@ from scheduler_service.live.remote import RemoteWorker, WarmupOptions
 from sluice.contract.plan import CachedRequestData, NewRequestData, StepPlan
 from sluice.contract.sampling import SamplingParams
 from worker_service.echo_engine import EchoEngine
-from worker_service.engine import EngineConfig
+from worker_service.engine import EngineConfig, LLMEngine
 from worker_service.server import EngineRunner, WorkerServerOptions, build_server
 
 BLOCK = 4
@@ -124,3 +125,30 @@ async def test_a_request_released_while_its_step_is_in_flight_is_forgotten(worke
     await remote.send(plan(3, {}, release=["r_on"]))
     await remote.receive()
     assert engine.num_requests == 0
+
+
+async def test_a_stream_that_ends_with_steps_launched_collects_them() -> None:
+    """The scheduler's stream breaks right after a step was launched ahead on a torch engine:
+    once the stream is gone nothing is left uncollected and each request's tokens are back in
+    its history (the leak check of the engine's pipeline)."""
+    engine = LLMEngine(EngineConfig(model="tiny-llama", load_format="dummy", block_size=BLOCK))
+    runner = EngineRunner(engine, "on")
+    server = build_server(engine, 0, runner=runner, options=WorkerServerOptions(pipeline="on"))
+    await server.start(ready=False)
+    remote = RemoteWorker(0, f"127.0.0.1:{server.port}", step_timeout_s=30.0)
+    try:
+        await remote.connect(WarmupOptions(num_gpu_blocks=64, swap_space_gib=0.0), 60.0)
+        news = requests(EchoEngine(EngineConfig(model="tiny-llama", block_size=BLOCK)))[2:]
+        await remote.send(plan(1, {"r_on": PROMPT}, new=news))
+        await remote.send(plan(2, {"r_on": 1}, follows=1))
+        await remote.receive()
+        await remote.close()
+        for _ in range(100):
+            if not engine._uncollected:
+                break
+            await asyncio.sleep(0.05)
+        assert not engine._uncollected
+        state = engine.requests["r_on"]
+        assert not state.pending and len(state.token_ids) == PROMPT + 2
+    finally:
+        await server.server.stop(None)
