@@ -39,8 +39,8 @@ on, and a decode throughput with overlap at least as high as without. `--model-w
 the torch CPU model (tiny-llama, dummy weights) at `--model-seqs` sequences (with the same
 `--worker-pipelines`: on a CPU the pipeline has no device to hide work behind, so `on` there
 measures what its bookkeeping costs; `auto` leaves it off). With the worker pipeline on, a step's
-time on the worker (from launch to collect) spans the wait behind the step before, so "period -
-worker's step" goes negative; the visible overhead is the column to read.
+time on the worker counts from when it could start (received, and the step before collected) to
+its collection, so "period - worker's step" is what passes between two steps beyond the worker.
 
     python benchmarks/live_step_overhead.py --modes-only [--mode-sizes 64,256] [--step-ms 20] [--rounds 3]
         [--worker-pipelines on,off] [--zero-ms] [--model-worker]

@@ -95,6 +95,7 @@ class EnginePipeline:
         self._on_failure = on_failure
         self._on_result = on_result
         self.failed = 0  # the last step on this stream that failed or was void
+        self._last_collected = 0.0  # perf_counter when the last step was collected
         self._slots: deque[Slot] = deque()
 
     @property
@@ -197,10 +198,16 @@ class EnginePipeline:
             self.failed = msg.step_id
         else:
             sampled = self.finished.collected(plan.step_id, result.sampled_token_ids, self.runner.engine.book.entries)
+            # NOTE: the step's own time: from when it could start (received, and the step before
+            # collected) to its collection; from its launch it would also count the wait behind
+            # the step before, and summed steps (a worker's busy time) would count twice.
+            now = time.perf_counter()
+            total_s = now - max(slot.received, self._last_collected)
+            self._last_collected = now
             result = StepResult(
                 step_id=result.step_id,
                 sampled_token_ids=sampled,
-                total_s=time.perf_counter() - slot.received,
+                total_s=total_s,
                 forward_s=result.forward_s,
                 swap_s=result.swap_s,
                 sample_s=result.sample_s,
