@@ -25,8 +25,10 @@ Overlapped scheduling, side by side (`--modes`, after the table above): the same
 steps driven as the live loop drives them, with overlap off (plan, send, wait, apply) and on
 (plan N+1 and send it before reading answer N, live/pipeline.py), against an echo worker whose
 step takes `--step-ms` of device time (20 ms), awaited off the worker's CPU as a GPU's kernels
-run (`--echo-async-device`), and against one with none (0 ms: a step's period is then the
-system's overhead itself):
+run (`--echo-async-device`), with its engine pipeline on and off side by side (`--worker-pipelines`:
+worker_service/step_pipeline.py launches step N+1 before collecting N, so the worker's own
+per-step work runs while the device computes), and with `--zero-ms` against echo workers with
+no device time (a step's period is then the system's overhead itself):
 
     visible overhead = step period (answer to answer, steady decode) - the emulated device step
     beyond the worker = step period - the worker's own time for the step (StepResult.total_s)
@@ -34,9 +36,14 @@ system's overhead itself):
 
 The target is a visible overhead of at most 1% of a 20 ms step at 256 sequences with overlap
 on, and a decode throughput with overlap at least as high as without. `--model-worker` adds
-the torch CPU model (tiny-llama, dummy weights) at `--model-seqs` sequences.
+the torch CPU model (tiny-llama, dummy weights) at `--model-seqs` sequences (with the same
+`--worker-pipelines`: on a CPU the pipeline has no device to hide work behind, so `on` there
+measures what its bookkeeping costs; `auto` leaves it off). With the worker pipeline on, a step's
+time on the worker counts from when it could start (received, and the step before collected) to
+its collection, so "period - worker's step" is what passes between two steps beyond the worker.
 
-    python benchmarks/live_step_overhead.py --modes [--mode-sizes 64,256] [--step-ms 20] [--model-worker]
+    python benchmarks/live_step_overhead.py --modes-only [--mode-sizes 64,256] [--step-ms 20] [--rounds 3]
+        [--worker-pipelines on,off] [--zero-ms] [--model-worker]
 """
 
 from __future__ import annotations
@@ -239,6 +246,7 @@ class ModeResult:
     period_ms: float  # answer to answer, steady decode
     device_ms: float  # the emulated device step (echo); 0 for the model worker
     gap_ms: float  # period - the step's time on the worker (from taking the plan to answering)
+    mean_period_ms: float = 0.0  # the mean over the steps: steps per second, whatever the jitter
 
     @property
     def visible_ms(self) -> float:
@@ -250,15 +258,16 @@ class ModeResult:
 
     @property
     def tok_s(self) -> float:
-        return self.n / (self.period_ms / 1e3)
+        return self.n / ((self.mean_period_ms or self.period_ms) / 1e3)
 
 
 async def measure_mode(
     address: str, n: int, steps: int, warmup: int, overlap: bool, prompt_len: int = PROMPT_LEN
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """Median step period (s) over `steps` steady decode steps, driven as the live loop drives
-    them (with overlap, up to two plans on the stream: StepPipeline's turn; else one), and the
-    median of period - the worker's own time for the step (its StepResult.total_s)."""
+    them (with overlap, up to two plans on the stream: StepPipeline's turn; else one), the
+    median of period - the worker's own time for the step (its StepResult.total_s), and the
+    mean period."""
     remote = RemoteWorker(0, address, step_timeout_s=60.0)
     await remote.connect(WarmupOptions(num_gpu_blocks=NUM_GPU_BLOCKS, swap_space_gib=0.0), 60.0)
     cluster = make_cluster(n, overlap, prompt_len)
@@ -297,53 +306,67 @@ async def measure_mode(
     finally:
         await remote.end_lease()
         await remote.close()
-    return statistics.median(periods), statistics.median(gaps)
+    return statistics.median(periods), statistics.median(gaps), statistics.fmean(periods)
 
 
 async def modes_async(args: argparse.Namespace) -> list[ModeResult]:
     from tqdm import tqdm
 
-    sizes = [int(s) for s in args.mode_sizes.split(",")]
-    workers = [(f"echo {args.step_ms:g} ms", "echo", args.step_ms, sizes, PROMPT_LEN)]
-    if args.step_ms:
-        workers.append(("echo 0 ms", "echo", 0.0, sizes, PROMPT_LEN))
+    sizes = [int(s) for s in args.mode_sizes.split(",") if s]  # none: the model worker only
+    pipelines = [p.strip() for p in args.worker_pipelines.split(",")]
+    # (label, engine, device step ms, sizes, prompt length, worker flags)
+    workers: list[tuple[str, str, float, list[int], int, tuple[str, ...]]] = []
+    for pipeline in pipelines if sizes else ():
+        flags = ("--worker-pipeline", pipeline)
+        echo = ("--echo-step-ms", str(args.step_ms), "--echo-async-device", *flags)
+        workers.append(
+            (f"echo {args.step_ms:g} ms, worker pipeline {pipeline}", "echo", args.step_ms, sizes, PROMPT_LEN, echo)
+        )
+        if args.step_ms and args.zero_ms:
+            zero = ("--echo-step-ms", "0", "--echo-async-device", *flags)
+            workers.append((f"echo 0 ms, worker pipeline {pipeline}", "echo", 0.0, sizes, PROMPT_LEN, zero))
     if args.model_worker:
-        workers.append(("tiny-llama CPU", "torch", 0.0, [args.model_seqs], 16))
+        for pipeline in pipelines:
+            flags = ("--worker-pipeline", pipeline)
+            workers.append((f"tiny-llama CPU, worker pipeline {pipeline}", "torch", 0.0, [args.model_seqs], 16, flags))
     jobs = [(w, n, o) for w in workers for n in w[3] for o in (False, True)]
-    periods: dict[tuple[str, int, bool], list[tuple[float, float]]] = {}
-    with tqdm(total=args.rounds * len(jobs), desc="overlap on/off", unit="run", leave=False) as bar:
-        for label, engine, step_ms, _, prompt_len in workers:
-            extra = ("--echo-step-ms", str(step_ms), "--echo-async-device") if engine == "echo" else ()
-            worker = spawn_worker(engine=engine, extra=extra)
-            try:
-                for _ in range(args.rounds):
-                    for w, n, overlap in jobs:
-                        if w[0] != label:
-                            continue
-                        steps = args.steps if engine == "echo" else max(20, args.steps // 4)
-                        measured = await measure_mode(worker.address, n, steps, args.warmup, overlap, prompt_len)
-                        periods.setdefault((label, n, overlap), []).append(measured)
-                        bar.update()
-            finally:
-                worker.stop()
+    periods: dict[tuple[str, int, bool], list[tuple[float, float, float]]] = {}
+    # NOTE: every worker runs from the start and the rounds go over all of them in turn
+    # (interleaved): this machine's speed drifts from minute to minute.
+    spawned = {w[0]: spawn_worker(engine=w[1], extra=w[5], worker_id=i) for i, w in enumerate(workers)}
+    try:
+        with tqdm(total=args.rounds * len(jobs), desc="overlap on/off", unit="run", leave=False) as bar:
+            for _ in range(args.rounds):
+                for (label, engine, _, _, prompt_len, _), n, overlap in jobs:
+                    steps = args.steps if engine == "echo" else max(20, args.steps // 4)
+                    address = spawned[label].address
+                    measured = await measure_mode(address, n, steps, args.warmup, overlap, prompt_len)
+                    periods.setdefault((label, n, overlap), []).append(measured)
+                    bar.update()
+    finally:
+        for worker in spawned.values():
+            worker.stop()
     out = []
     for (label, n, overlap), values in periods.items():
         device = next(w[2] for w in workers if w[0] == label)
         period = statistics.median(v[0] for v in values) * 1e3
-        out.append(ModeResult(label, n, overlap, period, device, statistics.median(v[1] for v in values) * 1e3))
+        gap = statistics.median(v[1] for v in values) * 1e3
+        mean = statistics.median(v[2] for v in values) * 1e3
+        out.append(ModeResult(label, n, overlap, period, device, gap, mean))
     return out
 
 
 def format_modes(results: list[ModeResult]) -> str:
     lines = [
         "| worker | running seqs | overlap | step period ms | visible overhead ms | share of 20 ms "
-        "| period - worker's step ms | decode tok/s |",
-        "|" + "---|" * 8,
+        "| mean period ms | visible (mean) ms | period - worker's step ms | decode tok/s |",
+        "|" + "---|" * 10,
     ]
     for r in results:
         lines.append(
             f"| {r.worker} | {r.n} | {'on' if r.overlap else 'off'} | {r.period_ms:.3f} | {r.visible_ms:.3f} "
-            f"| {r.share:.2%} | {r.gap_ms:.3f} | {r.tok_s:,.0f} |"
+            f"| {r.share:.2%} | {r.mean_period_ms:.3f} | {r.mean_period_ms - r.device_ms:.3f} | {r.gap_ms:.3f} "
+            f"| {r.tok_s:,.0f} |"
         )
     return "\n".join(lines)
 
@@ -355,9 +378,11 @@ def modes_summary(results: list[ModeResult]) -> str:
         if not overlap:
             continue
         off = by[(worker, n, False)]
+        before, after = off.mean_period_ms - off.device_ms, on.mean_period_ms - on.device_ms
         lines.append(
             f"{worker}, {n} seqs: visible overhead {off.visible_ms:.3f} -> {on.visible_ms:.3f} ms "
-            f"({off.share:.2%} -> {on.share:.2%} of 20 ms), beyond the worker's own step "
+            f"({off.share:.2%} -> {on.share:.2%} of 20 ms; from the mean period {before:.3f} -> {after:.3f} ms, "
+            f"{before / 1e3 / GPU_STEP_S:.2%} -> {after / 1e3 / GPU_STEP_S:.2%}), beyond the worker's own step "
             f"{off.gap_ms:.3f} -> {on.gap_ms:.3f} ms; throughput x{on.tok_s / off.tok_s:.2f} with overlap"
         )
     return "\n".join(lines)
@@ -376,6 +401,10 @@ def main() -> int:
     p.add_argument("--step-ms", type=float, default=20.0, help="the echo worker's emulated device step for --modes")
     p.add_argument("--model-worker", action="store_true", help="--modes also with the torch CPU model (tiny-llama)")
     p.add_argument("--model-seqs", type=int, default=32, help="sequences for --model-worker")
+    p.add_argument(
+        "--worker-pipelines", default="on,off", help="the echo workers' --worker-pipeline settings, side by side"
+    )
+    p.add_argument("--zero-ms", action="store_true", help="--modes also against echo workers with no device time")
     args = p.parse_args()
     if args.modes or args.modes_only:
         modes = asyncio.run(modes_async(args))

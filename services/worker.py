@@ -40,6 +40,11 @@ class WorkerConfig(SecurityConfig, WarmupDefaults, EngineConfig):
     echo_async_device: bool = opt(
         False, "with --echo-step-ms: the step's time is awaited off the CPU, as a GPU's kernels run (not slept)"
     )
+    worker_pipeline: str = opt(
+        "auto",
+        "launch the next step before collecting this one: auto (where the device computes apart from the CPU: "
+        "CUDA, --echo-async-device), on or off",
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -59,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from(WorkerConfig, args, file=args.config)
     if cfg.engine not in ("torch", "echo", "none"):
         raise SystemExit(f"error: --engine must be torch, echo or none, got {cfg.engine!r}")
+    if cfg.worker_pipeline not in ("auto", "on", "off"):
+        raise SystemExit(f"error: --worker-pipeline must be auto, on or off, got {cfg.worker_pipeline!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.threads:
         # NOTE: on a CPU shared with other processes, fewer OpenMP threads than cores avoids
@@ -78,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # and its first API key: workers of one deployment share their security settings.
         peer_key = security.api_keys.keys[0] if security.api_keys is not None else None
         peer = ClientSecurity.from_config(cfg, peer_key)
-        options = WorkerServerOptions(security, cfg.health_port, cfg.lease_ttl_s, peer_security=peer)
+        options = WorkerServerOptions(
+            security, cfg.health_port, cfg.lease_ttl_s, peer_security=peer, pipeline=cfg.worker_pipeline
+        )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     server = serve(

@@ -43,14 +43,21 @@ class DecodeGraphs:
         batch, width = self.sizes[-1], -(-max_model_len // block_size)
         device = cache.device
         pin = device.type == "cuda"
-        self.host = {
-            "ids": torch.zeros(batch, dtype=torch.long, pin_memory=pin),
-            "positions": torch.zeros(batch, dtype=torch.long, pin_memory=pin),
-            "slots": torch.zeros(batch, dtype=torch.long, pin_memory=pin),
-            "tables": torch.zeros((batch, width), dtype=torch.int32, pin_memory=pin),
-            "lens": torch.ones(batch, dtype=torch.int32, pin_memory=pin),
-        }
-        self.static = {name: torch.zeros_like(t, device=device) for name, t in self.host.items()}
+        # NOTE: two sets of pinned staging buffers, used in turn: with the worker's pipeline a
+        # step is staged while the one before is still queued (its copies maybe not done yet);
+        # the step before that has been waited for, so its set is free again.
+        self.hosts = [
+            {
+                "ids": torch.zeros(batch, dtype=torch.long, pin_memory=pin),
+                "positions": torch.zeros(batch, dtype=torch.long, pin_memory=pin),
+                "slots": torch.zeros(batch, dtype=torch.long, pin_memory=pin),
+                "tables": torch.zeros((batch, width), dtype=torch.int32, pin_memory=pin),
+                "lens": torch.ones(batch, dtype=torch.int32, pin_memory=pin),
+            }
+            for _ in range(2)
+        ]
+        self._turn = 0
+        self.static = {name: torch.zeros_like(t, device=device) for name, t in self.hosts[0].items()}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: tuple[int, int] | None = None
 
@@ -62,12 +69,22 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= batch)
 
     def run(
-        self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray, lens: np.ndarray
+        self,
+        ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        tables: np.ndarray,
+        lens: np.ndarray,
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [B, hidden] of B one-token chunks (tables [B, w] int32, lens [B] int32)."""
+        """Hidden states [B, hidden] of B one-token chunks (tables [B, w] int32, lens [B] int32);
+        `fill`: (rows, tokens) on the device, input ids the step before sampled and has not
+        brought back yet (written after the staged copy, before the replay, in stream order)."""
         batch = len(ids)
         size = self.size_for(batch)
         self._stage(batch, size, ids, positions, slots, tables, lens)
+        if fill is not None:
+            self.static["ids"][fill[0]] = fill[1]
         entry = self.graphs.get(size) or self._capture(size)
         entry[0].replay()
         return entry[1][:batch]
@@ -81,16 +98,18 @@ class DecodeGraphs:
                 self._capture(size)
 
     def _stage(self, batch: int, size: int, *columns: np.ndarray) -> None:
-        h = {name: t.numpy() for name, t in self.host.items()}
+        pinned = self.hosts[self._turn]
+        self._turn ^= 1
+        h = {name: t.numpy() for name, t in pinned.items()}
         ids, positions, slots, tables, lens = columns
         h["ids"][:batch], h["positions"][:batch], h["slots"][:batch], h["lens"][:batch] = ids, positions, slots, lens
         h["tables"][:batch, : tables.shape[1]] = tables
         # Padding rows: token 0 at position 0, written to and read from the pad block only.
         h["ids"][batch:size], h["positions"][batch:size], h["slots"][batch:size] = 0, 0, self.pad_slot
         h["tables"][batch:size, 0], h["lens"][batch:size] = self.cache.pad_block, 1
-        # NOTE: the pinned buffers are rewritten next step only after this step's tokens came
-        # back (the engine's one synchronisation), so these copies have long finished by then.
-        for name, host in self.host.items():
+        # NOTE: this set is rewritten two steps later, after this step's tokens came back (the
+        # engine waits for every step), so these copies have long finished by then.
+        for name, host in pinned.items():
             self.static[name][:size].copy_(host[:size], non_blocking=True)
 
     def _attention(self, size: int) -> KernelPagedAttention:

@@ -14,7 +14,9 @@ so a plan this worker accepts is one the real worker accepts. Sampled tokens are
 common word pieces cycling with the position, never an EOS id, so requests run to their
 max_tokens. `step_time_s` optionally sleeps to mimic a device step; with `async_device` that
 time is not slept in `execute` but awaited by the server after it (`async_device_s`), as a
-GPU's kernels run while its host CPU is free: what overlapped scheduling relies on.
+GPU's kernels run while its host CPU is free: what overlapped scheduling relies on. `launch`
+and `collect` split a step as the torch engine's do (the worker's pipeline): a step launched
+while the one before still runs on the emulated device starts when that one ends.
 """
 
 from __future__ import annotations
@@ -42,6 +44,20 @@ class EchoSpec:
     supports_int8: bool = True
 
 
+@dataclass(slots=True)
+class EchoLaunched:
+    """A launched echo step (EchoEngine.launch); its tokens count as back at `device_end`."""
+
+    step_id: int
+    started: float
+    sampled: dict[str, int]
+    swap_bytes: int
+    device_end: float | None  # perf_counter when its emulated device time ends; None: none
+
+    def wait(self) -> None:
+        """Nothing to wait for on a host: the server awaits `device_end`."""
+
+
 class EchoEngine:
     """Bookkeeping of an LLMEngine without the model; see the module docstring."""
 
@@ -53,6 +69,7 @@ class EchoEngine:
         self.spec = EchoSpec(bytes_per_block=2 * c.num_layers * c.num_kv_heads * c.head_dim * config.block_size * 2)
         self.step_time_s = step_time_s
         self.async_device_s = step_time_s if async_device else 0.0
+        self._device_free = 0.0  # perf_counter when the emulated device finishes what is queued
         self.book = PlanBook(config.block_size, self.max_model_len, c.vocab_size)
         eos = set(c.eos_token_ids)
         vocab = c.vocab_size
@@ -114,6 +131,11 @@ class EchoEngine:
         return self.book.release(request_ids)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> EchoLaunched:
+        """The plan checked and applied and its tokens drawn; with `async_device` its device
+        time is queued behind the step before's, as a GPU stream runs kernels in order."""
         start = time.perf_counter()
         if not self.book.num_gpu_blocks and (plan.num_scheduled_tokens or plan.new_requests or plan.kv_moves):
             raise StepPlanError("the KV cache is not initialised (run Warmup first)", code="FAILED_PRECONDITION")
@@ -122,13 +144,20 @@ class EchoEngine:
         self.book.commit(staged)
         sampled = self._sample(plan)
         self.book.advance(plan, sampled)
-        if self.step_time_s and not self.async_device_s:
+        device_end = None
+        if self.async_device_s:
+            begin = max(time.perf_counter(), self._device_free)
+            device_end = self._device_free = begin + self.async_device_s
+        elif self.step_time_s:
             time.sleep(self.step_time_s)
+        return EchoLaunched(plan.step_id, start, sampled, staged.moved_blocks * self.spec.bytes_per_block, device_end)
+
+    def collect(self, launched: EchoLaunched) -> StepResult:
         return StepResult(
-            step_id=plan.step_id,
-            sampled_token_ids=sampled,
-            total_s=time.perf_counter() - start,
-            swap_bytes=staged.moved_blocks * self.spec.bytes_per_block,
+            step_id=launched.step_id,
+            sampled_token_ids=launched.sampled,
+            total_s=time.perf_counter() - launched.started,
+            swap_bytes=launched.swap_bytes,
         )
 
     def _sample(self, plan: StepPlan) -> dict[str, int]:

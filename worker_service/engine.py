@@ -52,7 +52,7 @@ from worker_service.model import Attention, DenseAttention, load_model, resolve_
 from worker_service.model.config import ModelConfig
 from worker_service.model.dummy import is_preset
 from worker_service.plan_check import PlanBook, StepPlanError
-from worker_service.sampler import Sampler, SamplingRow
+from worker_service.sampler import Sampler, SamplingRow, needs_penalties
 from worker_service.step_clock import StepClock
 
 # Longest single sequence in the activation probe: keeps its attention matrix realistic.
@@ -149,6 +149,9 @@ class RequestState:
     block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32), compare=False, repr=False)
     cpu_block_ids: list[int] = field(default_factory=list)  # where its KV sits while swapped out
     generator: torch.Generator | None = None
+    # tokens sampled for it and not back on the host yet, oldest first: (the launched step, its row
+    # among that step's tokens); they follow `token_ids`
+    pending: list[tuple[Launched, int]] = field(default_factory=list, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +163,30 @@ class HostBatch:
     chunks: list[SeqChunk]
     sample_rows: list[int]  # rows of the tokens that sample
     sample_ids: list[str]  # their requests, in the same order
+    # rows whose token the step before sampled and has not brought back yet: (rows, tokens) on the device
+    fill: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step whose device work is queued (LLMEngine.launch) and not collected yet."""
+
+    step_id: int
+    started: float  # perf_counter when its launch began
+    clock: StepClock
+    sample_ids: list[str]  # the requests that sample, in the tokens' order
+    tokens: torch.Tensor | None  # on the device: the next step's inputs refer to it
+    host: torch.Tensor | None = None  # the same tokens copied back (queued right behind the sampler)
+    values: list[int] | None = None  # once back on the host
+    states: list[RequestState] = field(default_factory=list)  # the requests that sample, as launched
+    prepare_s: float = 0.0
+    swap_s: float | None = None  # None: the swap's GPU time is read once the step is done
+    swap_bytes: int = 0
+    device_end: float | None = None  # (the echo engine's emulated device only)
+
+    def wait(self) -> None:
+        """Blocks until the step's device work is done (at once on a CPU)."""
+        self.clock.wait()
 
 
 class LLMEngine:
@@ -184,6 +211,8 @@ class LLMEngine:
         self.cache: PagedKVCache | None = None
         self.graphs: DecodeGraphs | None = None
         self.requests: dict[str, RequestState] = {}
+        self._uncollected: list[Launched] = []  # launched steps whose tokens are not back, oldest first
+        self._last: Launched | None = None  # the last step launched and not collected
         self.book = PlanBook(config.block_size, self.max_model_len, self.model_config.vocab_size)
 
     # -- public API ----------------------------------------------------------------------
@@ -221,6 +250,8 @@ class LLMEngine:
             raise ValueError(f"need >= 1 GPU block and >= 0 CPU blocks, got {num_gpu_blocks}, {num_cpu_blocks}")
         self.cache = self.graphs = None
         self.requests.clear()
+        self._uncollected.clear()
+        self._last = None
         self.cache = PagedKVCache(self.spec, num_gpu_blocks, num_cpu_blocks, self.device)
         self.book.reset(num_gpu_blocks, num_cpu_blocks)
         self.configure_attention(self.config.attention, self.config.cuda_graphs)
@@ -269,12 +300,28 @@ class LLMEngine:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> Launched:
+        """Everything of a step up to its device work being queued: the plan checked and applied,
+        the inputs built, the forward pass and the sampler launched. The sampled tokens stay on
+        the device (`collect` brings them back); the counts advance now, so the next plan can
+        be checked and launched before this step's tokens are known (the worker's pipeline:
+        worker_service/step_pipeline.py). A token still on the device is the input of the next
+        step by reference: its row is filled on the device from this step's token tensor."""
         t_start = time.perf_counter()
         if self.cache is None and (plan.num_scheduled_tokens or plan.kv_moves or plan.new_requests):
             raise StepPlanError("the KV cache is not initialised (run Warmup first)", code="FAILED_PRECONDITION")
         staged = self.book.check(plan)
         self.release(plan.release_ids)
         self._admit(plan.new_requests)
+        cuda = self.device.type == "cuda"
+        if plan.kv_moves and cuda and self._last is not None and self._last.swap_s is None:
+            # NOTE: the cache times one swap at a time; read the previous step's before this
+            # one's moves record over it (it waits only when two steps in a row swap).
+            self._last.clock.wait()
+            self._last.swap_s = self._cache.last_swap_seconds()
         swap_s, swap_bytes = self._apply_moves(plan.kv_moves)
         self.book.commit(staged)
         for rid, entry in staged.states.items():
@@ -282,26 +329,42 @@ class LLMEngine:
             state.block_table, state.cpu_block_ids = list(entry.gpu), list(entry.cpu)
             state.block_array = np.asarray(entry.gpu, dtype=np.int32)
         t_prepare = time.perf_counter()
-        sampled, forward_s, prep2_s, sample_s = self._run_batch(plan)
-        self.book.advance(plan, sampled)
-        if self.device.type == "cuda":
-            # NOTE: the compute stream only: a swap-out's device-to-host copies may still run
-            # on the swap stream (later swaps queue behind them there).
-            torch.cuda.current_stream(self.device).synchronize()
-        total_s = time.perf_counter() - t_start
-        if plan.kv_moves and self.device.type == "cuda":
+        launched = self._launch_batch(plan, t_start)
+        launched.swap_bytes = swap_bytes
+        launched.prepare_s = max(0.0, t_prepare - t_start - swap_s)
+        launched.swap_s = None if plan.kv_moves and cuda else swap_s
+        self.book.advance(plan, launched.sample_ids)
+        self._last = launched
+        return launched
+
+    @torch.inference_mode()
+    def collect(self, launched: Launched) -> StepResult:
+        """Waits for a launched step's device work and answers it (its tokens appended to
+        their requests). Steps are collected in the order they were launched."""
+        tokens = self._resolve(launched)
+        clock = launched.clock
+        clock.wait()
+        sampled = dict(zip(launched.sample_ids, tokens, strict=True))
+        forward_s = sample_s = prep2_s = 0.0
+        if "sampled" in clock.host:
+            forward_s, sample_s = clock.seconds("prepared", "forward"), clock.seconds("forward", "sampled")
+            prep2_s = clock.host_seconds("prepared")
+        swap_s = launched.swap_s
+        if swap_s is None:
             # NOTE: host time only issues the copies; the blocking part is the GPU time
-            # between the swap stream's start and its ready event (known after the sync).
-            swap_s = self._cache.last_swap_seconds()
+            # between the swap stream's start and its ready event (known after the wait).
+            swap_s = launched.swap_s = self._cache.last_swap_seconds()
+        if self._last is launched:
+            self._last = None
         return StepResult(
-            step_id=plan.step_id,
+            step_id=launched.step_id,
             sampled_token_ids=sampled,
-            total_s=total_s,
+            total_s=time.perf_counter() - launched.started,
             forward_s=forward_s,
             swap_s=swap_s,
             sample_s=sample_s,
-            prepare_s=max(0.0, t_prepare - t_start - swap_s) + prep2_s,
-            swap_bytes=swap_bytes,
+            prepare_s=launched.prepare_s + prep2_s,
+            swap_bytes=launched.swap_bytes,
         )
 
     # -- applying a plan -------------------------------------------------------------------
@@ -339,12 +402,12 @@ class LLMEngine:
                     moved += cache.copy(m.src_block_ids, m.dst_block_ids)
         return time.perf_counter() - start, moved
 
-    def _run_batch(self, plan: StepPlan) -> tuple[dict[str, int], float, float, float]:
-        """Forward over every scheduled token, then sampling; returns (tokens, forward_s,
-        prepare_s, sample_s)."""
-        if not plan.num_scheduled_tokens:
-            return {}, 0.0, 0.0, 0.0
+    def _launch_batch(self, plan: StepPlan, started: float) -> Launched:
+        """Forward over every scheduled token, then the sampler, queued on the device."""
         clock = StepClock(self.device)
+        if not plan.num_scheduled_tokens:
+            clock.mark("queued")  # behind the plan's KV moves: `collect` waits for them
+            return Launched(plan.step_id, started, clock, [], None)
         order = list(plan.num_scheduled_tokens.items())
         batch = self._host_batch(order, plan.sample_ids)
         clock.mark("prepared")
@@ -356,19 +419,47 @@ class LLMEngine:
         clock.mark("forward")
         for rid, n in order:
             self.requests[rid].num_computed_tokens += n
-        tokens = None
+        tokens = host = None
         if logits is not None:
+            if self._uncollected and any(needs_penalties(self.requests[r].sampling) for r in batch.sample_ids):
+                # NOTE: penalties read every earlier token's value: the steps before must be back.
+                for step in list(self._uncollected):
+                    self._resolve(step)
             tokens = self.sampler.sample(logits, [self._sampling_row(rid) for rid in batch.sample_ids])
+            # NOTE: the copy back is queued now, right behind the sampler: queued after the next
+            # step's kernels, it would wait for them too.
+            host = tokens.to("cpu", non_blocking=True) if self.device.type == "cuda" else tokens
         clock.mark("sampled")
-        sampled: dict[str, int] = {}
-        for rid, token in zip(batch.sample_ids, [] if tokens is None else tokens.tolist(), strict=True):
-            state = self.requests[rid]
-            state.token_ids.append(token)
+        states = [self.requests[rid] for rid in batch.sample_ids]
+        launched = Launched(plan.step_id, started, clock, batch.sample_ids, tokens, host, states=states)
+        for i, state in enumerate(states):
             state.num_output_tokens += 1
-            sampled[rid] = token
-        clock.wait()
-        forward_s, sample_s = clock.seconds("prepared", "forward"), clock.seconds("forward", "sampled")
-        return sampled, forward_s, clock.host_seconds("prepared"), sample_s
+            state.pending.append((launched, i))
+        if tokens is not None:
+            self._uncollected.append(launched)
+        return launched
+
+    def _resolve(self, launched: Launched) -> list[int]:
+        """The step's tokens on the host, appended to the requests still holding them (one
+        released, or released and sent again, meanwhile is left alone)."""
+        if launched.values is not None:
+            return launched.values
+        if launched.host is None:
+            launched.values = []
+            return launched.values
+        launched.clock.wait()
+        values = launched.host.tolist()
+        requests = self.requests
+        for rid, state, token in zip(launched.sample_ids, launched.states, values, strict=True):
+            # steps resolve in launch order, so this step's token is the oldest pending one
+            if state.pending and state.pending[0][0] is launched:
+                del state.pending[0]
+                if requests.get(rid) is state:
+                    state.token_ids.append(token)
+        if launched in self._uncollected:  # (not after a new KV cache forgot every step)
+            self._uncollected.remove(launched)
+        launched.values = values
+        return values
 
     def _host_batch(self, order: list[tuple[str, int]], sample_ids: frozenset[str]) -> HostBatch:
         ids: list[int] = []
@@ -376,31 +467,55 @@ class LLMEngine:
         chunks: list[SeqChunk] = []
         rows: list[int] = []
         sampled: list[str] = []
+        fills: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # by source step: (tokens, rows, indices)
         kernels = self.attention == "triton"
         for rid, n in order:
             state = self.requests[rid]
             start = state.num_computed_tokens
-            ids.extend(state.token_ids[start : start + n])
+            known = state.token_ids[start : start + n]
+            ids.extend(known)
+            if len(known) < n:
+                # The last inputs are tokens steps before sampled, still on the device: by reference.
+                first = start + len(known) - len(state.token_ids)
+                if first < 0 or first + n - len(known) > len(state.pending):
+                    # NOTE: the book counts uncollected tokens as known and checked this plan, so
+                    # this is the engine's own state gone wrong (the plan is applied by now).
+                    raise RuntimeError(f"request {rid!r}: inputs [{start}, {start + n}) past its tokens")
+                for step, index in state.pending[first : first + n - len(known)]:
+                    assert step.tokens is not None
+                    fill = fills.setdefault(id(step), (step.tokens, [], []))
+                    fill[1].append(len(ids))
+                    fill[2].append(index)
+                    ids.append(0)
             positions.append(np.arange(start, start + n, dtype=np.int64))
             chunks.append(SeqChunk(start, n, state.block_array if kernels else state.block_table))
             if rid in sample_ids:
                 rows.append(len(ids) - 1)
                 sampled.append(rid)
-        return HostBatch(np.asarray(ids, dtype=np.int64), np.concatenate(positions), chunks, rows, sampled)
+        fill = None
+        if fills:
+            dev = self.device
+            all_rows = np.asarray([r for _, rs, _ in fills.values() for r in rs], dtype=np.int64)
+            values = [src[to_device(np.asarray(idx, dtype=np.int64), dev)] for src, _, idx in fills.values()]
+            fill = (to_device(all_rows, dev), values[0] if len(values) == 1 else torch.cat(values))
+        return HostBatch(np.asarray(ids, dtype=np.int64), np.concatenate(positions), chunks, rows, sampled, fill)
 
     def _forward(self, batch: HostBatch) -> torch.Tensor:
         block_size = self.config.block_size
         graphs = self.graphs
         if graphs is not None and len(batch.chunks) <= graphs.max_batch and len(batch.input_ids) == len(batch.chunks):
             tables, lens, slots = decode_columns(batch.chunks, block_size)
-            return graphs.run(batch.input_ids, batch.positions, slots, tables, lens)
+            return graphs.run(batch.input_ids, batch.positions, slots, tables, lens, batch.fill)
         attn: Attention
         if self.attention == "triton":
             meta = build_kernel_metadata(batch.chunks, block_size, self.device, self.spec.num_kv_heads)
             attn = KernelPagedAttention(self._cache, meta)
         else:
             attn = PagedAttention(self._cache, build_metadata(batch.chunks, block_size, self.device))
-        return self.model(to_device(batch.input_ids, self.device), to_device(batch.positions, self.device), attn)
+        input_ids = to_device(batch.input_ids, self.device)
+        if batch.fill is not None:
+            input_ids[batch.fill[0]] = batch.fill[1]
+        return self.model(input_ids, to_device(batch.positions, self.device), attn)
 
     def _sampling_row(self, rid: str) -> SamplingRow:
         s = self.requests[rid]

@@ -8,6 +8,11 @@ serializes engine calls (they never interleave, even when two streams are open) 
 where a step runs: on the event loop when it is predicted short, on the engine thread when
 it is not, so health checks are still answered during a long CPU prefill.
 
+Where the device computes apart from the host CPU (CUDA, the echo engine's async device), an
+Execute stream runs through the engine pipeline instead (worker_service/step_pipeline.py): step
+N+1 is launched (`engine.launch`) before step N is collected (`engine.collect`), so the worker's
+own per-step work runs while the device computes; `--worker-pipeline off` turns it off.
+
 A plan that fails to decode or that the engine rejects (`StepPlanError`) is answered with
 `ExecuteResponse.error` and the stream carries on; any other exception means the engine
 state may be half-applied, so the engine is marked failed: that step is answered INTERNAL,
@@ -61,6 +66,7 @@ from worker_service.engine import EngineConfig, LLMEngine, StepPlanError
 from worker_service.finished_filter import FinishedFilter
 from worker_service.kv_transfer import KVTransferHandler, TransferRefused, add_read_kv_handler, token_of
 from worker_service.lease import DEFAULT_LEASE_TTL_S, Lease, LeaseError, session_of
+from worker_service.step_pipeline import EnginePipeline, void_step
 from worker_service.step_reader import Incoming, StepReader
 
 log = logging.getLogger(__name__)
@@ -174,6 +180,10 @@ INLINE_STEP_S = 0.05
 # A step planned ahead (overlap) on an accelerator predicted to take at least this long runs on
 # the thread, so the next plan is decoded meanwhile; a shorter one leaves nothing to overlap.
 OVERLAP_THREAD_S = 0.002
+# The worker's engine pipeline (worker_service/step_pipeline.py): auto runs it where the device
+# computes apart from the host CPU (CUDA, the echo engine's async device); on a CPU engine there
+# is nothing to hide a step's host work behind.
+PIPELINE_MODES = ("auto", "on", "off")
 
 
 class EngineRunner:
@@ -189,14 +199,18 @@ class EngineRunner:
     and for Warmup's measurement, the engine thread runs it.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, pipeline: str = "auto") -> None:
+        if pipeline not in PIPELINE_MODES:
+            raise ValueError(f"worker_pipeline must be one of {', '.join(PIPELINE_MODES)}, got {pipeline!r}")
         self.engine = engine
+        self.pipeline = pipeline
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-engine")
         self._lock = asyncio.Lock()
         self._seconds_per_token: float | None = None
         self._busy: Future[Any] | None = None
         self.inline_steps = 0
         self.thread_steps = 0
+        self.launched_ahead = 0  # pipelined steps launched while the one before was not collected
         self.warmed_up = False
         self.failure = ""  # why the engine stopped being usable; empty while it works
         # NOTE: only an accelerator computes apart from the host CPU; on a CPU engine the thread
@@ -267,17 +281,39 @@ class EngineRunner:
             with contextlib.suppress(Exception):  # its own caller was the one to hear of a failure
                 await asyncio.shield(asyncio.wrap_future(busy))
 
+    @property
+    def pipelines(self) -> bool:
+        """Whether Execute streams run through the engine pipeline. NOTE: not while tracing: a
+        step's span wraps one call into the engine, and a pipelined step is two."""
+        if self.pipeline == "off" or not hasattr(self.engine, "launch") or tracing_enabled():
+            return False
+        async_device = self.accelerated or bool(getattr(self.engine, "async_device_s", 0.0))
+        return self.pipeline == "on" or async_device
+
+    async def launch(self, plan: StepPlan) -> Any:
+        """The step's host work and its device work queued (the engine's `launch`), on the loop."""
+        async with self._lock:
+            await self._thread_done()
+            return self.engine.launch(plan)
+
+    async def device_done(self, launched: Any) -> None:
+        """Returns once a launched step's device work is done, the loop free meanwhile."""
+        end = launched.device_end
+        if end is not None:
+            delay = end - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        elif self.accelerated:
+            await asyncio.to_thread(launched.wait)
+
+    async def collect(self, launched: Any) -> StepResult:
+        async with self._lock:
+            await self._thread_done()
+            return self.engine.collect(launched)
+
     def forget_history(self) -> None:
         """After Warmup: a new KV cache (and maybe a new batch shape), so no prediction yet."""
         self._seconds_per_token = None
-
-
-def void_step(msg: worker_pb2.ExecuteRequest) -> worker_pb2.ExecuteResponse:
-    """Overlapped scheduling: a step planned while the step it follows was in flight, and that
-    step failed. Its plan assumed what the failed step would have done, so nothing of it runs
-    (it was still decoded, so the stream's next step may name the same ids by reference)."""
-    why = f"void: planned after step {msg.follows_step_id}, which failed"
-    return result_to_proto(error_result(msg.step_id, "CANCELLED", why))
 
 
 def _warm_plan(engine: LLMEngine) -> StepPlan:
@@ -468,8 +504,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         reader = StepReader(request_iterator, PlanReceiver(self.worker_id))
         info = self.runner.engine.info
         finished = FinishedFilter(frozenset(info.eos_token_ids), info.max_model_len)
-        failed = 0  # the last step on this stream that failed or was void
         try:
+            if self.runner.pipelines:
+                pipeline = EnginePipeline(
+                    self.runner,
+                    finished,
+                    lambda: self._check_lease(context, session),
+                    self._fail_engine,
+                    self._count_step,
+                )
+                # NOTE: closed here, not whenever the loop finalizes it: a stream that ends early
+                # must have its launched steps collected before the next stream's steps launch.
+                async with contextlib.aclosing(pipeline.run(reader)) as responses:
+                    async for response in responses:
+                        yield response
+                        self.lease.renew_if_holder(session)
+                return
+            failed = 0  # the last step on this stream that failed or was void
             async for incoming in reader:
                 # NOTE: checked per step, not only at the stream's start: a later Warmup (the lease
                 # lapsed and another scheduler took the worker) ends this session's stream.
@@ -561,10 +612,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         finished.observe_result(plan.step_id if result.error is None else 0, result.sampled_token_ids)
         if result.error is None:
             result = replace(result, total_s=time.perf_counter() - received)
+        self._count_step(plan, result)
+        return result_to_proto(result, incoming.order)
+
+    def _count_step(self, plan: StepPlan, result: StepResult) -> None:
         if self.metrics is not None:
             code = result.error.code if result.error is not None else None
             self.metrics.on_step(result.total_s, plan.total_num_scheduled_tokens, code, self.runner.engine.num_requests)
-        return result_to_proto(result, incoming.order)
 
     async def _execute_traced(self, plan: StepPlan) -> StepResult:
         """The step inside a span linked to the spans of the requests it advances (sluice.common.telemetry);
@@ -586,9 +640,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return error_result(plan.step_id, exc.code, exc.message, exc.request_id or "")
         except Exception as exc:
             log.exception("engine failed at step %d", plan.step_id)
-            self.runner.failure = f"step {plan.step_id}: {type(exc).__name__}: {exc}"
-            await self._publish_readiness()
-            return error_result(plan.step_id, "INTERNAL", self.runner.failure)
+            return await self._fail_engine(plan.step_id, exc)
+
+    async def _fail_engine(self, step_id: int, exc: Exception) -> StepResult:
+        """The engine raised what a bad plan does not: its state may be half applied."""
+        self.runner.failure = f"step {step_id}: {type(exc).__name__}: {exc}"
+        await self._publish_readiness()
+        return error_result(step_id, "INTERNAL", self.runner.failure)
 
     async def _publish_readiness(self) -> None:
         await self.health.set(SERVICE_NAME, SERVING if self.runner.ready else NOT_SERVING)
@@ -609,6 +667,7 @@ class WorkerServerOptions:
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     keepalive: Keepalive = KEEPALIVE
     peer_security: ClientSecurity = PLAINTEXT  # how this worker dials a peer's ReadKv
+    pipeline: str = "auto"  # the engine pipeline: auto, on or off (PIPELINE_MODES)
 
 
 def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
@@ -632,7 +691,7 @@ def build_server(
     `runner`: one already wrapping `engine` (whoever passes it can read its step counts)."""
     options = options or WorkerServerOptions()
     health_servicer = health.aio.HealthServicer()
-    runner = runner or EngineRunner(engine)
+    runner = runner or EngineRunner(engine, options.pipeline)
     if runner.engine is not engine:
         raise ValueError("runner wraps a different engine")
     lease = Lease(options.lease_ttl_s)

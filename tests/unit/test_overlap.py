@@ -208,6 +208,25 @@ def test_a_failed_step_voids_the_step_planned_after_it():
     assert over[0] == base[0]
 
 
+@pytest.mark.parametrize("policy", ["orca", "sls", "fastgen"])
+def test_audited_policies_overlap_and_give_the_same_tokens_and_endings(policy):
+    """orca and sls keep no state a step result updates (sls's batch lives in `schedule`);
+    fastgen is vllm_chunked with a seat cap. Each runs one step ahead and streams the tokens,
+    and ends every request the way, it does one step at a time."""
+    assert make_cluster(True, policy).overlaps(0)
+    base = drive(False, policy=policy)
+    over = drive(True, policy=policy)
+    assert over[3] == 2 and base[3] == 1
+    assert over[0] == base[0]
+    assert over[1] == base[1]
+    assert {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH} <= set(base[1].values())
+
+
+@pytest.mark.parametrize("policy", ["accelgen", "fastserve", "alise", "econoserve", "scls"])
+def test_policies_that_are_not_overlap_safe_run_one_step_at_a_time(policy):
+    assert not make_cluster(True, policy).overlaps(0)
+
+
 def test_policies_with_state_between_plan_and_result_run_one_step_at_a_time():
     cluster = make_cluster(True, policy="accelgen")
     assert not cluster.overlaps(0)

@@ -30,6 +30,9 @@ class OrcaPolicy(Policy):
     name = "orca"
     config_cls = OrcaConfig
     config: OrcaConfig
+    # No state of its own: it reads the running and waiting requests, whose counts overlap
+    # commits at plan time; a finish at step N frees a seat from N+2 on, as in vllm.
+    overlap_safe = True
 
     def token_budget(self, now: float) -> int:
         # NOTE: Orca has no token budget; whole prompts of a full batch must always fit.

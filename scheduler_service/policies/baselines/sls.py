@@ -38,6 +38,9 @@ class SLSPolicy(Policy):
     name = "sls"
     config_cls = SLSConfig
     config: SLSConfig
+    # Its batch is made and advanced in `schedule` only (no hook reads step results); members
+    # that finish at step N decode once more in N+1 (voided) before the next batch starts.
+    overlap_safe = True
 
     def __init__(self, config: PolicyConfig, ctx: PolicyContext) -> None:
         super().__init__(config, ctx)
