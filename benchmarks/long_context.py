@@ -54,7 +54,7 @@ MULTITURN_RATES = (4.0, 8.0, 12.0, 16.0, 20.0, 22.0, 24.0)  # one worker; withou
 # them, the long-context options of ours, each named in the row: (row, policy, router).
 OURS = [
     ("sls (ours: grouped, pad bound)", "sls:group_window=64,max_pad_share=0.25", "round_robin"),
-    ("sls (ours: grouped, varlen)", "sls:group_window=64,max_pad_share=0.25,varlen_attention=true", "round_robin"),
+    ("sls (ours: grouped, varlen)", "sls:group_window=64,varlen_attention=true", "round_robin"),
     ("scls (ours: prefill share)", "scls", "scls:max_prefill_share=0.5"),
     (
         "scls (ours: varlen, S=256)",

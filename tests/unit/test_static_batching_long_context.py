@@ -95,6 +95,12 @@ def test_sls_without_the_bound_pads_every_row_to_the_long_prompt_as_the_paper_do
     assert starts[0][1].metadata["pad_tokens"] == 35_000 + 34_900 + 35_000
 
 
+def test_sls_pad_bound_has_nothing_to_bound_when_rows_are_not_padded() -> None:
+    reqs = [request("a", 5_000, 4), request("b", 5_100, 4), request("long", 40_000, 4), request("c", 5_000, 4)]
+    starts = batches_of(long_scheduler("sls:max_pad_share=0.25,varlen_attention=true"), reqs)
+    assert [members for members, _ in starts] == [{"a", "b", "long", "c"}]
+
+
 # ---------------------------------------------------------------- sls: grouping
 def test_grouping_puts_the_oldest_first_then_the_closest_in_prompt_and_output_length() -> None:
     waiting = [

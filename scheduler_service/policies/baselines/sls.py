@@ -16,7 +16,8 @@ in prompt and predicted output length among the oldest `group_window`; `max_pad_
 keeps a request out of a batch whose padded prefill would cost more than (1 + share) x
 its rows' own prefill; `varlen_attention` is an engine that runs variable-length attention
 (no pad rows: each row prefills and decodes at its own length; finished rows still run
-until the batch ends, at their own context). Long-context runs set all three.
+until the batch ends, at their own context; the pad bound then has nothing to bound and
+grouping looks at the predicted output length only). Long-context runs set them.
 Options: `sls:batch_size=8,group_window=0,max_pad_share=0,varlen_attention=false`.
 """
 
@@ -35,7 +36,7 @@ class SLSConfig(PolicyConfig):
     allocation: str = "max"
     batch_size: int = 8
     group_window: int = 0  # ours: batch the closest of the oldest N by prompt and output length; 0: FCFS
-    max_pad_share: float = 0.0  # ours: bound on padded / own prefill cost - 1; 0: no bound
+    max_pad_share: float = 0.0  # ours: bound on padded / own prefill cost - 1; 0: no bound (padded rows only)
     varlen_attention: bool = False  # ours: no pad rows (the engine runs variable-length attention)
 
 
@@ -69,6 +70,8 @@ class SLSPolicy(Policy):
     def _start_batch(self, step: StepBuilder) -> None:
         cfg = self.config
         fcfs = cfg.group_window <= 0
+        # Rows that are not padded cost their own length wherever they go: no pad bound.
+        pad_share = 0.0 if cfg.varlen_attention else cfg.max_pad_share
         members: list[Request] = []
         for req in grouped_candidates(
             list(step.waiting.values()), cfg.group_window, by_prompt=not cfg.varlen_attention
@@ -76,7 +79,7 @@ class SLSPolicy(Policy):
             if len(members) >= cfg.batch_size:
                 break
             if members and not within_pad_bound(
-                [r.num_tokens for r in (*members, req)], cfg.max_pad_share, self.ctx.cost_model
+                [r.num_tokens for r in (*members, req)], pad_share, self.ctx.cost_model
             ):
                 if fcfs:
                     break  # FCFS: this request heads the next batch
