@@ -23,7 +23,7 @@ generated tokens, which the paper's S = 128 amortises over short prompts only (a
 100k-token prefill takes seconds, 128 decodes of it well under one). A batch whose prefill,
 priced by the cost model, would take more than this share of its slice gets a longer slice,
 as far as its KV fits (Eq. 9); 0 (the default) keeps the paper's fixed S; long-context
-runs set 0.5.
+runs set 0.5 with padded rows and 0.8 (with S = 256) with `varlen_attention`.
 Rows not padded (`varlen_attention`, ours, off by default): for workers whose `scls` policy
 runs with `varlen_attention=true`, the DP prices a group at its rows' own lengths and checks
 their own KV (a batch of mixed lengths no longer pays for padding, so the batcher stops
