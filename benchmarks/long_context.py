@@ -41,7 +41,7 @@ from scheduler_service.core.policy import POLICIES
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.capacity import find_capacity, parse_rule
-from scheduler_service.sim.simulator import SimConfig, SimRun, simulate
+from scheduler_service.sim.simulator import SimConfig, SimRun, Simulation, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
 from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
 
@@ -98,6 +98,40 @@ def run(config: SimConfig, wl: Workload, cm: CostModel) -> dict[str, Any]:
     return summary(simulate(config, wl, cm))
 
 
+def run_timed(config: SimConfig, wl: Workload, cm: CostModel) -> dict[str, Any]:
+    """`run`, plus where the simulated time went: steps that prefill (any row computes more than
+    one token or its first) against decode-only steps, their rows, and the invalid rows."""
+    sim = Simulation(config, wl, cm)
+    split = {"prefill_steps_s": 0.0, "decode_steps_s": 0.0, "prefill_steps": 0, "decode_steps": 0}
+    rows = {"prefill": 0, "decode": 0}
+
+    for executor in sim.executors.values():
+
+        def timed(plan: Any, execute: Any = executor.execute, computed: dict[str, int] = executor.computed) -> Any:
+            result = execute(plan)
+            kind = "decode"
+            for rid, n in plan.num_scheduled_tokens.items():
+                if n > 1 or computed.get(rid, 0) == n:
+                    kind = "prefill"
+                    break
+            split[f"{kind}_steps_s"] += result.total_s
+            split[f"{kind}_steps"] += 1
+            rows[kind] += len(plan.num_scheduled_tokens)
+            return result
+
+        executor.execute = timed  # type: ignore[method-assign]
+    result = sim.run()
+    out = summary(result)
+    out["time_split"] = {
+        **split,
+        "rows_per_prefill_step": rows["prefill"] / max(1, split["prefill_steps"]),
+        "rows_per_decode_step": rows["decode"] / max(1, split["decode_steps"]),
+        "invalid_tokens": result.details["invalid_tokens"],
+        "window_s": result.details["window_s"],
+    }
+    return out
+
+
 def prefix_part(cm: CostModel, scenarios: list[tuple[str, str, int, float]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, trace, n, rate in tqdm(scenarios, desc="prefix caching on/off", unit="trace"):
@@ -144,7 +178,7 @@ def policies_part(cm: CostModel, n: int, rates: list[float]) -> dict[str, Any]:
     jobs = [(rate, row) for rate in rates for row in rows]
     for rate, (name, policy, router) in tqdm(jobs, desc="policies on long contexts", unit="run"):
         wl = workload("mooncake", n, rate, cm)
-        result = run(replace(BASE, policy=policy, router=router), wl, cm)
+        result = run_timed(replace(BASE, policy=policy, router=router), wl, cm)
         out.setdefault(str(rate), {})[name] = {"policy": policy, "router": router, **result}
     return out
 
@@ -205,6 +239,20 @@ def print_tables(results: dict[str, Any]) -> None:
                 f"| {policy} | {r['throughput_req_s']:.3f} | {r['throughput_req_s'] / vllm['throughput_req_s']:.2f} "
                 f"| {r['preemptions']} / {r['num_requests']} | {r['ttft_p50_s'] or 0:.2f} | {r['tbt_p99_s'] or 0:.3f} "
                 f"| {r['kv_util'] or 0:.2f} | {r['pad_tokens']:,} | {r['prefill_tokens']:,} |"
+            )
+        print(f"\n## where the time went, mooncake at {rate} req/s")
+        print(
+            "| policy | / vllm | prefill steps (s) | decode-only steps (s) | decode steps | rows per decode step "
+            "| rows per prefill step | invalid tokens | window (s) |"
+        )
+        for policy, r in runs.items():
+            t = r.get("time_split")
+            if t is None:
+                continue
+            print(
+                f"| {policy} | {r['throughput_req_s'] / vllm['throughput_req_s']:.2f} | {t['prefill_steps_s']:,.0f} "
+                f"| {t['decode_steps_s']:,.0f} | {t['decode_steps']:,} | {t['rows_per_decode_step']:.1f} "
+                f"| {t['rows_per_prefill_step']:.1f} | {t['invalid_tokens']:,} | {t['window_s']:,.0f} |"
             )
     cap = results["capacity"]
     print(f"\n## capacity, relaxed SLO (P99 TBT <= {cap['tbt_slo_s']:.3f} s, median queueing <= 2 s)")
