@@ -11,7 +11,8 @@ ids). Four parts:
     prefix     vllm with prefix caching on and off: TTFT p50, prefill tokens computed, and
                the share of prompt tokens found cached (and the trace's own prefix share)
     policies   every policy on the long-context trace at a load vllm serves below 50% KV:
-               throughput / vllm's, preemptions / requests (targets 0.9 and 1)
+               throughput / vllm's, preemptions / requests (targets 0.9 and 1); `sls` and
+               `scls` as the papers run them and with our long-context options (OURS)
     capacity   sarathi vs vllm under the relaxed Sarathi SLO rule (P99 TBT <= 25x a decode
                iteration, median queueing <= 2 s), sarathi with and without time-priced chunks
     routers    round_robin, least_work, prefix_aware on 4 workers: TTFT p50 and hits
@@ -20,6 +21,8 @@ Requests' max_tokens are capped at 2,048 (`--max-tokens`): a client of a 128k mo
 for an answer, not for the whole context; the trace's longest answer is 893 tokens. Orca's
 and EconoServe's reservations depend on it (with no cap each reserves up to 128k tokens).
 Length-using policies get the oracle (the papers' "Oracle" line).
+
+`--parts` runs a subset; the parts not run are copied from the existing OUT.json.
 """
 
 from __future__ import annotations
@@ -38,12 +41,32 @@ from scheduler_service.core.policy import POLICIES
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.capacity import find_capacity, parse_rule
-from scheduler_service.sim.simulator import SimConfig, SimRun, simulate
+from scheduler_service.sim.simulator import SimConfig, SimRun, Simulation, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
 from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
 
 MODEL, HARDWARE, MAX_TOKENS = "llama-3.1-8b", "h100-80g", 2048
 BASE = SimConfig(max_tokens=MAX_TOKENS, length_source="oracle")
+PARTS = ("prefix", "policies", "capacity", "routers")
+MULTITURN_RATES = (4.0, 8.0, 12.0, 16.0, 20.0, 22.0, 24.0)  # one worker; without caching vllm saturates near 22
+
+# Every policy runs with its defaults (the papers' settings; `scls` with its router). Next to
+# them, the long-context options of ours, each named in the row: (row, policy, router).
+OURS = [
+    ("sls (ours: grouped, pad bound)", "sls:group_window=64,max_pad_share=0.25", "round_robin"),
+    ("sls (ours: grouped, varlen)", "sls:group_window=64,varlen_attention=true", "round_robin"),
+    ("scls (ours: prefill share)", "scls", "scls:max_prefill_share=0.5"),
+    (
+        "scls (ours: varlen, S=256)",
+        "scls:varlen_attention=true",
+        "scls:max_prefill_share=0.8,varlen_attention=true,slice_len=256",
+    ),
+    (
+        "scls (ours: varlen, S=256, I<=10s)",
+        "scls:varlen_attention=true",
+        "scls:max_prefill_share=0.8,varlen_attention=true,slice_len=256,max_interval_s=10",
+    ),
+]
 
 
 def workload(trace: str, n: int, rate: float, cm: CostModel, slo: str = "none") -> Workload:
@@ -73,6 +96,40 @@ def summary(run: SimRun) -> dict[str, Any]:
 
 def run(config: SimConfig, wl: Workload, cm: CostModel) -> dict[str, Any]:
     return summary(simulate(config, wl, cm))
+
+
+def run_timed(config: SimConfig, wl: Workload, cm: CostModel) -> dict[str, Any]:
+    """`run`, plus where the simulated time went: steps that prefill (any row computes more than
+    one token or its first) against decode-only steps, their rows, and the invalid rows."""
+    sim = Simulation(config, wl, cm)
+    split = {"prefill_steps_s": 0.0, "decode_steps_s": 0.0, "prefill_steps": 0, "decode_steps": 0}
+    rows = {"prefill": 0, "decode": 0}
+
+    for executor in sim.executors.values():
+
+        def timed(plan: Any, execute: Any = executor.execute, computed: dict[str, int] = executor.computed) -> Any:
+            result = execute(plan)
+            kind = "decode"
+            for rid, n in plan.num_scheduled_tokens.items():
+                if n > 1 or computed.get(rid, 0) == n:
+                    kind = "prefill"
+                    break
+            split[f"{kind}_steps_s"] += result.total_s
+            split[f"{kind}_steps"] += 1
+            rows[kind] += len(plan.num_scheduled_tokens)
+            return result
+
+        executor.execute = timed  # type: ignore[method-assign]
+    result = sim.run()
+    out = summary(result)
+    out["time_split"] = {
+        **split,
+        "rows_per_prefill_step": rows["prefill"] / max(1, split["prefill_steps"]),
+        "rows_per_decode_step": rows["decode"] / max(1, split["decode_steps"]),
+        "invalid_tokens": result.details["invalid_tokens"],
+        "window_s": result.details["window_s"],
+    }
+    return out
 
 
 def prefix_part(cm: CostModel, scenarios: list[tuple[str, str, int, float]]) -> dict[str, Any]:
@@ -116,12 +173,13 @@ def trace_prefix_share(wl: Workload) -> float:
 
 def policies_part(cm: CostModel, n: int, rates: list[float]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    jobs = [(rate, p) for rate in rates for p in POLICIES.names()]
-    for rate, policy in tqdm(jobs, desc="policies on long contexts", unit="run"):
+    # SCLS is its router plus its policy
+    rows = [(p, p, "scls" if p == "scls" else "round_robin") for p in POLICIES.names()] + OURS
+    jobs = [(rate, row) for rate in rates for row in rows]
+    for rate, (name, policy, router) in tqdm(jobs, desc="policies on long contexts", unit="run"):
         wl = workload("mooncake", n, rate, cm)
-        # SCLS is its router plus its policy; ours: longer slices for long prompts
-        router = "scls:max_prefill_share=0.5" if policy == "scls" else "round_robin"
-        out.setdefault(str(rate), {})[policy] = run(replace(BASE, policy=policy, router=router), wl, cm)
+        result = run_timed(replace(BASE, policy=policy, router=router), wl, cm)
+        out.setdefault(str(rate), {})[name] = {"policy": policy, "router": router, **result}
     return out
 
 
@@ -160,23 +218,41 @@ def routers_part(cm: CostModel, scenarios: list[tuple[str, str, int, float]]) ->
 
 def print_tables(results: dict[str, Any]) -> None:
     print("\n## prefix caching (vllm, one H100)")
-    print("| trace | rate | cached share (trace's) | TTFT p50 off -> on | drop | prefill tokens off -> on | drop |")
-    for r in results["prefix"].values():
+    print(
+        "| trace | rate | cached share (trace's) | TTFT p50 off -> on | drop | prefill tokens off -> on | drop "
+        "| req/s off / on | KV off |"
+    )
+    for r in sorted(results["prefix"].values(), key=lambda r: (r["trace"], r["rate"])):
         on, off = r["on"], r["off"]
         print(
             f"| {r['trace']} ({r['requests']}) | {r['rate']} | {r['cached_share']:.1%} ({r['trace_prefix_share']:.1%}) "
             f"| {off['ttft_p50_s']:.3f} -> {on['ttft_p50_s']:.3f} s | {r['ttft_p50_drop']:.1%} "
-            f"| {off['prefill_tokens']:,} -> {on['prefill_tokens']:,} | {r['prefill_drop']:.1%} |"
+            f"| {off['prefill_tokens']:,} -> {on['prefill_tokens']:,} | {r['prefill_drop']:.1%} "
+            f"| {off['throughput_req_s']:.2f} / {on['throughput_req_s']:.2f} | {off['kv_util']:.2f} |"
         )
     for rate, runs in results["policies"].items():
         vllm = runs["vllm"]
         print(f"\n## every policy, mooncake at {rate} req/s (vllm KV {vllm['kv_util']:.0%})")
-        print("| policy | req/s | / vllm | preemptions / requests | TTFT p50 | TBT p99 | KV | pad tokens |")
+        print("| policy | req/s | / vllm | preemptions | TTFT p50 | TBT p99 | KV | pad tokens | prefill tokens |")
         for policy, r in runs.items():
             print(
                 f"| {policy} | {r['throughput_req_s']:.3f} | {r['throughput_req_s'] / vllm['throughput_req_s']:.2f} "
                 f"| {r['preemptions']} / {r['num_requests']} | {r['ttft_p50_s'] or 0:.2f} | {r['tbt_p99_s'] or 0:.3f} "
-                f"| {r['kv_util'] or 0:.2f} | {r['pad_tokens']:,} |"
+                f"| {r['kv_util'] or 0:.2f} | {r['pad_tokens']:,} | {r['prefill_tokens']:,} |"
+            )
+        print(f"\n## where the time went, mooncake at {rate} req/s")
+        print(
+            "| policy | / vllm | prefill steps (s) | decode-only steps (s) | decode steps | rows per decode step "
+            "| rows per prefill step | invalid tokens | window (s) |"
+        )
+        for policy, r in runs.items():
+            t = r.get("time_split")
+            if t is None:
+                continue
+            print(
+                f"| {policy} | {r['throughput_req_s'] / vllm['throughput_req_s']:.2f} | {t['prefill_steps_s']:,.0f} "
+                f"| {t['decode_steps_s']:,.0f} | {t['decode_steps']:,} | {t['rows_per_decode_step']:.1f} "
+                f"| {t['rows_per_prefill_step']:.1f} | {t['invalid_tokens']:,} | {t['window_s']:,.0f} |"
             )
     cap = results["capacity"]
     print(f"\n## capacity, relaxed SLO (P99 TBT <= {cap['tbt_slo_s']:.3f} s, median queueing <= 2 s)")
@@ -202,20 +278,29 @@ def plot(results: dict[str, Any], path: Path) -> None:
     rate, runs = next(reversed(results["policies"].items()))
     names = list(runs)
     vllm = runs["vllm"]["throughput_req_s"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     axes[0].bar(names, [runs[p]["throughput_req_s"] / vllm for p in names], color="tab:blue")
     axes[0].axhline(0.9, color="tab:red", linestyle="--", label="target 0.9")
     axes[0].set_title(f"throughput / vllm, mooncake at {rate} req/s", fontsize=9)
     axes[0].legend(fontsize=8)
-    axes[0].tick_params(axis="x", rotation=40, labelsize=8)
+    axes[0].tick_params(axis="x", rotation=60, labelsize=7)
+    for label in axes[0].get_xticklabels():
+        label.set_horizontalalignment("right")
+    multiturn = sorted((r for r in results["prefix"].values() if r["trace"] != "mooncake"), key=lambda r: r["rate"])
+    rates = [r["rate"] for r in multiturn]
+    axes[1].plot(rates, [r["ttft_p50_drop"] for r in multiturn], "o-", label="TTFT p50 drop")
+    axes[1].plot(rates, [r["cached_share"] for r in multiturn], "s--", label="prompt tokens cached (target)")
+    axes[1].set_xlabel("req/s (one worker)", fontsize=8)
+    axes[1].set_title("vllm with prefix caching, sharegpt-multiturn", fontsize=9)
+    axes[1].legend(fontsize=8)
     routers = results["routers"]
     labels = list(routers)
     xs = np.arange(len(labels))
     for i, router in enumerate(("round_robin", "least_work", "prefix_aware")):
-        axes[1].bar(xs + 0.27 * (i - 1), [routers[k][router]["ttft_p50_s"] for k in labels], 0.27, label=router)
-    axes[1].set_xticks(xs, labels, fontsize=8)
-    axes[1].set_title("TTFT p50 (s), 4 workers", fontsize=9)
-    axes[1].legend(fontsize=8)
+        axes[2].bar(xs + 0.27 * (i - 1), [routers[k][router]["ttft_p50_s"] for k in labels], 0.27, label=router)
+    axes[2].set_xticks(xs, labels, fontsize=8)
+    axes[2].set_title("TTFT p50 (s), 4 workers", fontsize=9)
+    axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -228,26 +313,38 @@ def main() -> None:
         "--requests", type=int, default=1000, help="Mooncake requests of the policies and capacity parts"
     )
     parser.add_argument("--rates", default="0.5,1.0", help="Mooncake rates of the policies part (req/s)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
     args = parser.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts: unknown part(s) {unknown}; choose from {PARTS}")
     cm = build_cost_model("analytic", MODEL, HARDWARE)
-    prefix_scenarios = [
-        ("mooncake", "mooncake", 3993, 1.0),
-        ("sharegpt-multiturn", "sharegpt-multiturn", 2000, 4.0),
+    prefix_scenarios = [("mooncake", "mooncake", 3993, 1.0)] + [
+        (f"sharegpt-multiturn@{rate:g}", "sharegpt-multiturn", 2000, rate) for rate in MULTITURN_RATES
     ]
     router_scenarios = [
         ("sharegpt-multiturn", "sharegpt-multiturn", 2000, 12.0),
         ("mooncake", "mooncake", 3993, 3.0),
     ]
-    results = {
-        "model": MODEL,
-        "hardware": HARDWARE,
-        "max_tokens": MAX_TOKENS,
-        "prefix": prefix_part(cm, prefix_scenarios),
-        "policies": policies_part(cm, args.requests, [float(x) for x in args.rates.split(",")]),
-        "capacity": capacity_part(cm, min(args.requests, 600)),
-        "routers": routers_part(cm, router_scenarios),
-    }
     out = Path(args.out)
+    previous = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {}
+    missing = [p for p in PARTS if p not in parts and p not in previous]
+    if missing:
+        parser.error(f"--parts: {missing} not run and not in {out.with_suffix('.json')}; run them too")
+    jobs = {
+        "prefix": lambda: prefix_part(cm, prefix_scenarios),
+        "policies": lambda: policies_part(cm, args.requests, [float(x) for x in args.rates.split(",")]),
+        "capacity": lambda: capacity_part(cm, min(args.requests, 600)),
+        "routers": lambda: routers_part(cm, router_scenarios),
+    }
+    results: dict[str, Any] = {"model": MODEL, "hardware": HARDWARE, "max_tokens": MAX_TOKENS}
+    for part in PARTS:
+        if part in parts:
+            results[part] = jobs[part]()
+        else:
+            print(f"{part}: copied from {out.with_suffix('.json')} (not run)")
+            results[part] = previous[part]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     plot(results, out.with_suffix(".png"))

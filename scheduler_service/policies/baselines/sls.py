@@ -9,6 +9,16 @@ prompt, then decodes until EVERY member finishes. Members that finish early keep
 are counted (plan metadata `pad_tokens`, `invalid_tokens`) and priced by the simulator
 (`padded_len`, `invalid_context_sum`), as the paper's engines compute them.
 Across workers, pair it with the round-robin router.
+
+Long contexts (ours, every option off by default; `sls_batching.py` has the rules):
+`group_window` forms each batch around the oldest request from the requests closest to it
+in prompt and predicted output length among the oldest `group_window`; `max_pad_share`
+keeps a request out of a batch whose padded prefill would cost more than (1 + share) x
+its rows' own prefill; `varlen_attention` is an engine that runs variable-length attention
+(no pad rows: each row prefills and decodes at its own length; finished rows still run
+until the batch ends, at their own context; the pad bound then has nothing to bound and
+grouping looks at the predicted output length only). Long-context runs set them.
+Options: `sls:batch_size=8,group_window=0,max_pad_share=0,varlen_attention=false`.
 """
 
 from __future__ import annotations
@@ -18,12 +28,16 @@ from dataclasses import dataclass, field
 from scheduler_service.core.policy import POLICIES, Policy, PolicyConfig, PolicyContext
 from scheduler_service.core.request import Request
 from scheduler_service.core.step_builder import StepBuilder
+from scheduler_service.policies.baselines.sls_batching import grouped_candidates, within_pad_bound
 
 
 @dataclass
 class SLSConfig(PolicyConfig):
     allocation: str = "max"
     batch_size: int = 8
+    group_window: int = 0  # ours: batch the closest of the oldest N by prompt and output length; 0: FCFS
+    max_pad_share: float = 0.0  # ours: bound on padded / own prefill cost - 1; 0: no bound (padded rows only)
+    varlen_attention: bool = False  # ours: no pad rows (the engine runs variable-length attention)
 
 
 @dataclass
@@ -57,15 +71,31 @@ class SLSPolicy(Policy):
             self._start_batch(step)
 
     def _start_batch(self, step: StepBuilder) -> None:
-        members = []
-        for req in list(step.waiting.values()):
-            if len(members) >= self.config.batch_size or not step.schedule(req, req.num_tokens_to_compute):
+        cfg = self.config
+        fcfs = cfg.group_window <= 0
+        # Rows that are not padded cost their own length wherever they go: no pad bound.
+        pad_share = 0.0 if cfg.varlen_attention else cfg.max_pad_share
+        members: list[Request] = []
+        for req in grouped_candidates(
+            list(step.waiting.values()), cfg.group_window, by_prompt=not cfg.varlen_attention
+        ):
+            if len(members) >= cfg.batch_size:
+                break
+            if members and not within_pad_bound(
+                [r.num_tokens for r in (*members, req)], pad_share, self.ctx.cost_model
+            ):
+                if fcfs:
+                    break  # FCFS: this request heads the next batch
+                continue
+            if not step.schedule(req, req.num_tokens_to_compute):
                 break
             members.append(req)
         if not members:
             return
         padded = max(r.num_tokens for r in members)
         self.batch = _Batch(members, padded, 0)
+        if cfg.varlen_attention:
+            return  # every row prefills at its own length: no pad
         step.metadata.update(padded_len=padded, pad_tokens=sum(padded - r.num_tokens for r in members))
 
     def _decode(self, step: StepBuilder, live: list[Request]) -> None:
@@ -73,10 +103,18 @@ class SLSPolicy(Policy):
         batch.iteration += 1
         for req in live:
             step.schedule(req, req.num_tokens_to_compute)
+        done = [r for r in batch.members if not r.status.is_running]
+        if self.config.varlen_attention:
+            if done:
+                # Finished rows still run in the static batch, each at its own context.
+                step.metadata.update(
+                    invalid_tokens=len(done),
+                    invalid_context_sum=sum(r.num_prompt_tokens + batch.iteration for r in done),
+                )
+            return
         step.metadata["padded_context"] = batch.padded_len + batch.iteration  # live rows decode padded too
-        invalid = len(batch.members) - len(live)
-        if invalid:
+        if done:
             # Finished members still occupy their row, at the padded context length.
             step.metadata.update(
-                invalid_tokens=invalid, invalid_context_sum=invalid * (batch.padded_len + batch.iteration)
+                invalid_tokens=len(done), invalid_context_sum=len(done) * (batch.padded_len + batch.iteration)
             )

@@ -57,22 +57,38 @@ def dp_batches(
     estimator: ServingTimeEstimator,
     memory: MemoryEstimator | None,
     max_batch: int,
+    varlen: bool = False,
 ) -> list[PlannedBatch]:
     """Algorithm 1: the partition of the requests (sorted by length) into contiguous groups
     with the least total T_serve; a group of more than one request must pass the memory
-    check and hold at most `max_batch` rows. Batches come back in ascending length order."""
+    check and hold at most `max_batch` rows. Batches come back in ascending length order.
+    `varlen` (ours): rows are not padded, so a group costs its rows' own lengths
+    (`serve_time_varlen`) and its KV is the sum of its rows' own (L + S), within zeta of
+    the cache."""
     n = len(lengths)
     if n == 0:
         return []
     order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
     sorted_len = np.asarray(lengths, dtype=np.int64)[order]
+    cum_len = np.concatenate(([0], np.cumsum(sorted_len)))
+    cum_rows = None
+    if varlen and memory is not None:
+        cum_rows = np.concatenate(([0], np.cumsum(memory.row_tokens_array(sorted_len, slice_len))))
     best = np.zeros(n + 1)
     split = np.zeros(n + 1, dtype=np.int64)
     for i in range(1, n + 1):
         length = int(sorted_len[i - 1])
-        cap = min(i, max_batch, memory.max_batch(length, slice_len) if memory is not None else i)
-        sizes = np.arange(1, max(cap, 1) + 1)
-        cost = best[i - sizes] + estimator.serve_time(sizes, length, slice_len)
+        if cum_rows is not None:
+            cap = min(i, max_batch)
+            sizes = np.arange(1, max(cap, 1) + 1)
+            fits = cum_rows[i] - cum_rows[i - sizes] <= memory.limit_tokens  # type: ignore[union-attr]
+            fits[0] = True  # a lone request is always a batch (as in the paper's check)
+            sizes = sizes[fits]
+        else:
+            cap = min(i, max_batch, memory.max_batch(length, slice_len) if memory is not None else i)
+            sizes = np.arange(1, max(cap, 1) + 1)
+        group_len = cum_len[i] - cum_len[i - sizes]
+        cost = best[i - sizes] + _group_time(estimator, sizes, group_len, length, slice_len, varlen)
         k = int(np.argmin(cost))
         best[i] = cost[k]
         split[i] = i - int(sizes[k])
@@ -81,11 +97,24 @@ def dp_batches(
     while i > 0:
         j = int(split[i])
         length = int(sorted_len[i - 1])
-        est = float(estimator.serve_time(i - j, length, slice_len))
+        est = float(_group_time(estimator, i - j, cum_len[i] - cum_len[j], length, slice_len, varlen))
         batches.append(PlannedBatch([int(x) for x in order[j:i]], length, est))
         i = j
     batches.reverse()
     return batches
+
+
+def _group_time(
+    estimator: ServingTimeEstimator,
+    sizes: int | np.ndarray,
+    length_sum: int | np.ndarray,
+    longest: int,
+    slice_len: int,
+    varlen: bool,
+) -> float | np.ndarray:
+    if varlen:
+        return estimator.serve_time_varlen(sizes, length_sum, longest, slice_len)
+    return estimator.serve_time(sizes, longest, slice_len)
 
 
 def total_serve_time(batches: Sequence[PlannedBatch]) -> float:

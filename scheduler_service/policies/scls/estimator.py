@@ -65,6 +65,20 @@ class ServingTimeEstimator:
         p1, p2, p3, p4 = self.p
         return p1 * n * length + p2 * n + p3 * length + p4 + decode
 
+    def serve_time_varlen(
+        self, n: float | np.ndarray, length_sum: float | np.ndarray, longest: float, slice_len: int
+    ) -> float | np.ndarray:
+        """T_serve of a batch whose rows are not padded (ours, an engine with variable-length
+        attention): the per-row terms N x L of Eq. 3 and 4 become the sum of the rows' own
+        lengths, the per-batch length terms stay at the longest row. Equals `serve_time` when
+        every row is `longest` long; `n` and `length_sum` may be numpy arrays."""
+        d1, d2, d3, d4 = self.d
+        s = float(slice_len)
+        steps = s * (s + 1) / 2  # sum over l = 1..S of l
+        decode = d1 * (s * length_sum + n * steps) + d2 * n * s + d3 * (s * longest + steps) + d4 * s
+        p1, p2, p3, p4 = self.p
+        return p1 * length_sum + p2 * n + p3 * longest + p4 + decode
+
     @classmethod
     def fit(
         cls,
@@ -112,6 +126,15 @@ class MemoryEstimator:
     def row_tokens(self, length: int, slice_len: int) -> int:
         bs = self.block_size
         return -(-(length + slice_len) // bs) * bs
+
+    def row_tokens_array(self, lengths: np.ndarray, slice_len: int) -> np.ndarray:
+        bs = self.block_size
+        return -(-(lengths + slice_len) // bs) * bs
+
+    @property
+    def limit_tokens(self) -> float:
+        """zeta x the capacity: the most KV tokens one batch may plan to use."""
+        return self.zeta * self.capacity_tokens
 
     def max_batch(self, length: int, slice_len: int) -> int:
         """N_max of Eq. 8 (0 when even one row does not fit)."""

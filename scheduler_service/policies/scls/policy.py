@@ -26,9 +26,15 @@ join and leave at iteration level, each reserving KV for its next S tokens only;
 request's slice ends and others are waiting, its KV is swapped to CPU instead of freed
 (no prefill recompute) and it is swapped back in, FCFS, ahead of new arrivals.
 
+Variable-length attention (`varlen_attention=true`, ours, off by default): the engine runs
+variable-length attention, so a static batch has no pad rows: each row prefills only its
+own tokens (a slice's re-prefill also skips what the prefix cache still holds of the
+request) and decodes at its own context; finished rows still run until the slice ends, at
+their own context. Long-context runs set it, with the router's option of the same name.
+
 Inputs: prompt and generated lengths; no output-length prediction (slices make it moot).
 Configuration: slice_len (S, 128; the router's tag overrides it), batch_size (16, rows of
-a worker-formed batch), keep_kv (false).
+a worker-formed batch), keep_kv (false), varlen_attention (false).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class SCLSConfig(PolicyConfig):
     slice_len: int = 128  # S: iterations per slice when the router's tag does not say
     batch_size: int = 16  # rows of a batch the worker forms itself (untagged requests, SO)
     keep_kv: bool = False  # continuous batching; swap KV at slice end instead of returning
+    varlen_attention: bool = False  # ours: no pad rows (the engine runs variable-length attention)
 
 
 @dataclass
@@ -69,6 +76,7 @@ class _Slice:
     padded_len: int
     slice_len: int
     iteration: int = 1  # tokens each row has produced in this slice (the prefill made one)
+    start_len: dict[str, int] = field(default_factory=dict)  # each row's tokens when the slice began
 
 
 @POLICIES.register("scls")
@@ -134,11 +142,18 @@ class SCLSPolicy(Policy):
         for req in live:
             if not step.schedule(req, req.num_tokens_to_compute):
                 step.return_to_pool(req)  # its slice reservation was lost: the pool takes it back
+        invalid = len(current.members) - len(live)
+        if self.config.varlen_attention:
+            if invalid:
+                # Finished rows still run, producing invalid tokens, each at its own context.
+                done = [r for r in current.members if not r.status.is_running]
+                context_sum = sum(current.start_len[r.request_id] + current.iteration - 1 for r in done)
+                step.metadata.update(invalid_tokens=invalid, invalid_context_sum=context_sum)
+            return
         # Every row of a static batch, live or finished, decodes at the padded context
         # (the prefill made token 1 at padded_len + 1).
         context = current.padded_len + current.iteration - 1
         step.metadata["padded_context"] = context
-        invalid = len(current.members) - len(live)
         if invalid:
             # Finished rows still run, producing invalid tokens.
             step.metadata.update(invalid_tokens=invalid, invalid_context_sum=invalid * context)
@@ -159,16 +174,19 @@ class SCLSPolicy(Policy):
         if not members:
             return
         padded = max(r.num_tokens for r in members)
+        varlen = self.config.varlen_attention
         pad = 0
         for req in members:
             tag = slice_tag(req.policy_state)
             tag.num_slices += 1
-            tag.pad_tokens += padded - req.num_tokens
-            pad += padded - req.num_tokens
-        self.slice = _Slice(members, padded, slice_len)
+            if not varlen:
+                tag.pad_tokens += padded - req.num_tokens
+                pad += padded - req.num_tokens
+        self.slice = _Slice(members, padded, slice_len, start_len={r.request_id: r.num_tokens for r in members})
         self.stats.num_batches += 1
         self.stats.rows += len(members)
-        step.metadata.update(padded_len=padded, pad_tokens=pad)
+        if not varlen:  # variable-length attention: every row prefills at its own length
+            step.metadata.update(padded_len=padded, pad_tokens=pad)
 
     def _next_candidates(self, step: StepBuilder) -> tuple[list[Request], int, int | None]:
         """The oldest tagged batch still waiting, else up to batch_size untagged requests FCFS."""

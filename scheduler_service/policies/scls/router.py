@@ -23,9 +23,16 @@ generated tokens, which the paper's S = 128 amortises over short prompts only (a
 100k-token prefill takes seconds, 128 decodes of it well under one). A batch whose prefill,
 priced by the cost model, would take more than this share of its slice gets a longer slice,
 as far as its KV fits (Eq. 9); 0 (the default) keeps the paper's fixed S; long-context
-runs set 0.5.
+runs set 0.5 with padded rows and 0.8 (with S = 256) with `varlen_attention`.
+Rows not padded (`varlen_attention`, ours, off by default): for workers whose `scls` policy
+runs with `varlen_attention=true`, the DP prices a group at its rows' own lengths and checks
+their own KV (a batch of mixed lengths no longer pays for padding, so the batcher stops
+splitting on length alone), and `max_prefill_share` prices the rows' own prefill.
+A bounded pool interval (`max_interval_s`, ours, 0 = unbounded as in the paper): Eq. 12's
+I = max(xi x min_w load(w), Gamma) grows with the load, to minutes when batches of long
+prompts queue on a worker, and every arrival waits for the next tick; the bound caps I.
 Options: `scls:variant=full,slice_len=128,xi=0.5,gamma_s=3,zeta=0.9,pm_batch=16,max_batch=0,
-max_prefill_share=0`.
+max_prefill_share=0,varlen_attention=false,max_interval_s=0`.
 
 Importing `scheduler_service.policies` imports this module, which registers the two.
 """
@@ -103,6 +110,8 @@ class SCLSRouterConfig:
     pm_batch: int = 16  # PM's fixed batch-size cap
     max_batch: int = 0  # rows per batch; 0 = the workers' max_num_seqs
     max_prefill_share: float = 0.0  # ours: longer slices where the prefill passes this share; 0: fixed S
+    varlen_attention: bool = False  # ours: the workers do not pad rows; price and check rows at their own length
+    max_interval_s: float = 0.0  # ours: upper bound on the pool interval I of Eq. 12; 0: unbounded
 
     @classmethod
     def from_options(cls, options: dict[str, str]) -> SCLSRouterConfig:
@@ -164,8 +173,16 @@ class SCLSRouter(Router):
         self.due = None
         self.num_releases += 1
         if self.config.variant == "full":
-            self.interval = max(self.config.xi * self.offloader.min_load(workers), self.config.gamma_s)
+            self.interval = self.next_interval(workers)
         return placements
+
+    def next_interval(self, workers: Sequence[int]) -> float:
+        """Eq. 12, I = max(xi x min_w load(w), Gamma), capped at `max_interval_s` when set."""
+        cfg = self.config
+        interval = max(cfg.xi * self.offloader.min_load(workers), cfg.gamma_s)
+        if cfg.max_interval_s > 0:
+            interval = min(interval, max(cfg.max_interval_s, cfg.gamma_s))
+        return interval
 
     def form_batches(self, pending: Sequence[Request], loads: Sequence[WorkerLoad]) -> list[PlannedBatch]:
         cfg = self.config
@@ -173,23 +190,31 @@ class SCLSRouter(Router):
         if cfg.variant == "pm":
             cap = min(cap, cfg.pm_batch)
         lengths = [r.num_tokens for r in pending]
-        return dp_batches(lengths, cfg.slice_len, self.estimator, self.memory(loads), cap)
+        return dp_batches(lengths, cfg.slice_len, self.estimator, self.memory(loads), cap, cfg.varlen_attention)
 
     def memory(self, loads: Sequence[WorkerLoad]) -> MemoryEstimator:
         blocks = min((w.total_gpu_blocks for w in loads if w.healthy), default=self.ctx.num_gpu_blocks)
         return MemoryEstimator(blocks * self.ctx.block_size, self.ctx.block_size, self.config.zeta)
 
-    def batch_slice_len(self, rows: int, length: int) -> int:
-        """S, or longer where the batch's padded prefill would take more than
-        `max_prefill_share` of the slice (prefill vs decodes priced by the cost model), within
-        the KV the memory check allows for the batch."""
+    def batch_slice_len(self, rows: int, length: int, lengths: Sequence[int] | None = None) -> int:
+        """S, or longer where the batch's prefill (`rows` padded to `length`, or the rows'
+        own `lengths` with `varlen_attention`) would take more than `max_prefill_share` of
+        the slice (prefill vs decodes priced by the cost model), within the KV the memory
+        check allows for the batch."""
         s, share, cm = self.config.slice_len, self.config.max_prefill_share, self.ctx.cost_model
         if share <= 0 or cm is None:
             return s
-        prefill = cm.iteration_time(BatchShape(prefill_chunks=[(length, 0)] * rows))
-        decode = cm.decode_time(rows, length)
+        if self.config.varlen_attention and lengths:
+            chunks = [(n, 0) for n in lengths]
+            decode = cm.decode_time(rows, round(sum(lengths) / rows))
+            kv_held = sum(lengths)
+        else:
+            chunks = [(length, 0)] * rows
+            decode = cm.decode_time(rows, length)
+            kv_held = rows * length
+        prefill = cm.iteration_time(BatchShape(prefill_chunks=chunks))
         wanted = min(math.ceil(prefill * (1 - share) / share / decode), self.ctx.max_model_len - length)
-        room = int(self.config.zeta * self.ctx.num_gpu_blocks * self.ctx.block_size) // rows - length
+        room = (int(self.config.zeta * self.ctx.num_gpu_blocks * self.ctx.block_size) - kv_held) // rows
         return max(s, min(wanted, room))
 
     def _offload(
@@ -208,7 +233,8 @@ class SCLSRouter(Router):
         out: list[tuple[Request, int]] = []
         for batch, worker in zip(batches, targets, strict=True):
             batch.batch_id, batch.worker_id, batch.remaining = next(self._ids), worker, len(batch.members)
-            slice_len = self.batch_slice_len(len(batch.members), batch.padded_len)
+            lengths = [pending[i].num_tokens for i in batch.members]
+            slice_len = self.batch_slice_len(len(lengths), batch.padded_len, lengths)
             for idx in batch.members:
                 req = pending[idx]
                 tag = slice_tag(req.policy_state)
