@@ -20,7 +20,7 @@ from worker_service.server import EngineRunner, WorkerServerOptions, build_serve
 
 BLOCK = 4
 PROMPT = 4
-DEVICE_S = 0.2  # long enough that a plan sent on an answer arrives while the next step runs, even on a busy machine
+DEVICE_S = 0.5  # long enough that a plan sent on an answer arrives while the next step runs, even on a busy machine
 
 
 def plan(step: int, scheduled: dict[str, int], follows: int = 0, new=(), release=()) -> StepPlan:
@@ -73,6 +73,7 @@ async def test_requests_the_step_before_finished_are_left_out_of_the_answer(work
     await remote.send(plan(2, dict.fromkeys(ids, 1), follows=1))
     first = await remote.receive()
     assert set(first.sampled_token_ids) == set(ids)
+    launched_ahead_before_3 = runner.launched_ahead  # step 2 was launched before step 1 was collected
     if ahead:  # as the overlapped scheduler sends: step 3 while step 2 runs
         await remote.send(plan(3, dict.fromkeys(ids, 1), follows=2))
         second = await remote.receive()
@@ -85,9 +86,14 @@ async def test_requests_the_step_before_finished_are_left_out_of_the_answer(work
     assert set(third.sampled_token_ids) == {"r_on"}, "finished by a stop token and by max_tokens: no token"
     entries = engine.book.entries
     assert entries["r_count"].num_computed_tokens == PROMPT + 1, "ended by count: left out before launch"
+    step_3_ahead = runner.launched_ahead > launched_ahead_before_3
+    if ahead and not step_3_ahead:
+        # Plan 3 reached the worker only after step 2's emulated device time had passed (an
+        # overloaded machine stalled this test for DEVICE_S): the case under test did not occur.
+        pytest.skip("plan 3 arrived after step 2 was collected; the launched-ahead case did not happen")
+    assert step_3_ahead == ahead
     # ended by its token: known only once step 2's tokens are back, so computed when launched ahead
     assert entries["r_token"].num_computed_tokens == PROMPT + (2 if ahead else 1)
-    assert runner.launched_ahead > 0
     await remote.send(plan(4, {}, release=ids))
     assert (await remote.receive()).error is None
     assert engine.num_requests == 0, "nothing stays held"
