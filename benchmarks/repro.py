@@ -726,6 +726,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paper", choices=sorted(PAPERS))
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed .. first-seed + seeds - 1")
+    parser.add_argument("--rates", help="comma-separated arrival rates instead of each claim's own sweep")
     parser.add_argument("--duration", type=float, default=300.0, help="simulated seconds of arrivals per run")
     parser.add_argument("--warmup", type=float, default=0.2, help="share of the arrival span excluded as warm-up")
     parser.add_argument("--min-requests", type=int, default=200)
@@ -757,6 +759,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except ValueError:
             parser.error(f"--regroup must be comma-separated numbers, got {args.regroup!r}")
         claims, name = _econoserve_regroup(factors), "econoserve_regroup"
+    if args.rates:
+        try:
+            rates = tuple(sorted(float(r) for r in args.rates.split(",")))
+        except ValueError:
+            parser.error(f"--rates must be comma-separated numbers, got {args.rates!r}")
+        claims = [replace(c, rates=rates) for c in claims]
     if args.length_source:
         known = ("oracle", "noisy_oracle", "max_tokens")
         if args.length_source not in known and not is_predictor_source(args.length_source):
@@ -766,7 +774,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         setup, seeds = Setup(60.0, args.warmup, 30), [0]
     else:
-        setup, seeds = Setup(args.duration, args.warmup, args.min_requests), list(range(args.seeds))
+        setup = Setup(args.duration, args.warmup, args.min_requests)
+        seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"paper": args.paper, "command": "python benchmarks/repro.py " + " ".join(argv or []), "claims": []}
