@@ -765,6 +765,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except ValueError:
             parser.error(f"--rates must be comma-separated numbers, got {args.rates!r}")
         claims = [replace(c, rates=rates) for c in claims]
+        name = f"{name}_{'-'.join(f'{r:g}' for r in rates)}"  # beside, not over, the full sweep's file
     if args.length_source:
         known = ("oracle", "noisy_oracle", "max_tokens")
         if args.length_source not in known and not is_predictor_source(args.length_source):
