@@ -777,6 +777,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         setup = Setup(args.duration, args.warmup, args.min_requests)
         seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    if args.first_seed and not args.quick:
+        name = f"{name}_seeds{seeds[0]}-{seeds[-1]}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"paper": args.paper, "command": "python benchmarks/repro.py " + " ".join(argv or []), "claims": []}
