@@ -1,86 +1,193 @@
 """What real predictions cost the policies that schedule on predicted lengths: every seed policy
-in the simulator with the oracle's lengths, the predictor's, and none (max_tokens), side by side
-on the same workload, model, GPU and KV size.
+in the simulator with the oracle's lengths, the predictor's, a symmetric-noise oracle and none
+(max_tokens), side by side on the same workload, model, GPU and KV size.
 
-    sharegpt-conversations-2k   prompts with text: the predictor runs on them (lengths counted
-                                in its tokenizer's tokens, as the predictor counts)
-    azure-conv                  no text: predictions drawn from the predictor's held-out error
-                                model (the empirical residuals by true length)
+    sharegpt-conversations-2k   ShareGPT first turns, text: the predictor runs on the prompts
+    alpaca-eval-2models         AlpacaEval outputs of two models, text: the predictor runs on
+                                the prompts with the answering model as its input
+    (lengths counted in the predictor's tokenizer's tokens, as the predictor counts them)
 
-    python benchmarks/length_sources.py [--num-requests 600] [--json out.json]
+Policies that read predicted lengths: alise (SRTF priority; a job that outruns its prediction
+has it doubled and is demoted), econoserve (exact KV allocation and GT groups; a GT that outruns
+its allocation is stopped and regrouped), accelgen (remaining time in its queue order), scls
+(its router's load estimate; one worker here, so no routing choice), and as references that read
+none: vllm, sarathi, fastserve (skip-join MLFQ on the prompt), sls.
+
+For each trace the predictions are scored against the truth (MAE, share under-predicted and
+ALISE's doublings: sum over requests of ceil(log2(true / predicted)) where true > predicted,
+the number of times ALISE's rule doubles a prediction before it covers the request).
+
+    python benchmarks/length_sources.py [--num-requests 600] [--seeds 2] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+from collections import defaultdict
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
+from scheduler_service.cluster.lengths import TableLengths
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
+from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
 from services.lengths import predictor_lengths
 from sluice.common.tokenizer import demo_tokenizer_path
+from sluice.contract.lengths import bucket_accuracy
 
-POLICIES = ("vllm", "alise", "econoserve", "accelgen", "scls")
-SOURCES = ("oracle", "predictor", "max_tokens")
-# (trace, arrivals/s, tokenizer for text) at a load where queues form on one A100 with 8 GB of KV
-TRACES = (("sharegpt-conversations-2k", 8.0, True), ("azure-conv", 5.0, False))
+POLICIES = ("alise", "econoserve", "accelgen", "scls", "fastserve", "sls", "sarathi", "vllm")
+# never read a predicted length (scheduler_service/policies): run once, with the oracle, as references
+LENGTH_FREE = ("fastserve", "sls", "sarathi", "vllm")
+SOURCES = ("oracle", "predictor", "noisy_oracle", "max_tokens")
+# (trace, arrivals/s): offered output tokens/s a little above what vllm sustains on one A100
+# with 8 GB of KV, so queues form and the order in which requests are served matters
+TRACES = (("sharegpt-conversations-2k", 8.0), ("alpaca-eval-2models", 5.0))
 MODEL, HARDWARE, KV_GB = "llama-2-7b", "a100-80g", 8.0
 
 
-def run(num_requests: int) -> list[dict[str, Any]]:
+def prediction_errors(workload: Workload, table: TableLengths) -> dict[str, float]:
+    true = np.array([max(1, r.output_tokens) for r in workload.requests], dtype=float)
+    pred = np.array([max(1, table.predictions[r.request_id]) for r in workload.requests], dtype=float)
+    under = true > pred
+    return {
+        "mae_tokens": float(np.mean(np.abs(true - pred))),
+        "under_share": float(np.mean(under)),
+        "alise_doublings": int(np.sum(np.ceil(np.log2(true[under] / pred[under])))),
+        "bucket_accuracy": bucket_accuracy(true.astype(int).tolist(), pred.astype(int).tolist()),
+    }
+
+
+def _row(trace: str, policy: str, source: str, seed: int, run: Any) -> dict[str, Any]:
+    m, d = run.metrics, run.details
+    by_reason: dict[str, int] = defaultdict(int)
+    for key, n in d["preemptions_by_mode_reason"].items():
+        by_reason[str(key).rsplit("/", 1)[-1]] += n  # "mode/reason" -> reason
+    stats = d["policy_stats"].get("0", {})
+    return {
+        "trace": trace,
+        "policy": policy,
+        "lengths": source,
+        "seed": seed,
+        "throughput_tok_s": m["throughput_tok_s"],
+        "goodput_req_s": m["goodput_req_s"],
+        "jct_p50_s": m["jct_s"]["p50"],
+        "normalized_latency_s": m["normalized_latency_s"],
+        "preemptions": m["preemptions"],
+        "preemptions_by_reason": dict(by_reason),
+        "finished": m["num_finished"],
+        # a policy that keeps counters (EconoServe) reports a counter that never ran as absent
+        "regrouped": stats.get("regrouped", 0) if stats else None,
+        "mispredicted_kept": stats.get("mispredicted_kept", 0) if stats else None,
+    }
+
+
+def run(num_requests: int, seeds: list[int]) -> dict[str, Any]:
     cost_model = build_cost_model("analytic", MODEL, HARDWARE)
-    rows = []
-    jobs = [(t, p, s) for t in TRACES for p in POLICIES for s in SOURCES]
-    workloads = {}
-    for trace, rate, text in TRACES:
-        tokenizer = str(demo_tokenizer_path()) if text else None
-        workload = load_trace(trace, num_requests=num_requests, seed=0, tokenizer_path=tokenizer)
-        workload = apply_arrivals(workload, "poisson", rate=rate, seed=0)
-        workload = apply_slo_profile("accelgen", workload, cost_model, seed=0)
-        workloads[trace] = (workload, predictor_lengths("predictor", workload, seed=0, progress=False))
-    for (trace, _rate, _text), policy, source in tqdm(jobs, desc="policy x length source", unit="run"):
-        workload, table = workloads[trace]
-        router = "scls" if policy == "scls" else "round_robin"
-        config = SimConfig(policy=policy, router=router, kv_gb=KV_GB, max_model_len=4096, length_source=source)
-        result = simulate(config, workload, cost_model, table if source == "predictor" else None)
-        m = result.metrics
-        rows.append(
-            {
-                "trace": trace,
-                "policy": policy,
-                "lengths": source if source != "predictor" else table.name,
-                "throughput_tok_s": m["throughput_tok_s"],
-                "goodput_req_s": m["goodput_req_s"],
-                "jct_p50_s": m["jct_s"]["p50"],
-                "normalized_latency_s": m["normalized_latency_s"],
-                "preemptions": m["preemptions"],
-                "finished": m["num_finished"],
-            }
+    tokenizer = str(demo_tokenizer_path())
+    rows: list[dict[str, Any]] = []
+    errors: dict[str, dict[str, float]] = {}
+    jobs = [(t, s) for t in TRACES for s in seeds]
+    runs = [(p, s) for p in POLICIES for s in SOURCES if p not in LENGTH_FREE or s == "oracle"]
+    with tqdm(total=len(jobs) * len(runs), desc="policy x length source", unit="run") as bar:
+        for (trace, rate), seed in jobs:
+            workload = load_trace(trace, num_requests=num_requests, seed=seed, tokenizer_path=tokenizer)
+            workload = apply_arrivals(workload, "poisson", rate=rate, seed=seed)
+            workload = apply_slo_profile("accelgen", workload, cost_model, seed=seed)
+            table = predictor_lengths("predictor", workload, seed=seed, progress=False)
+            assert table.name == "predictor", "these traces carry prompt text: the predictor itself must run"
+            errors.setdefault(trace, prediction_errors(workload, table))
+            for policy, source in runs:
+                router = "scls" if policy == "scls" else "round_robin"
+                config = SimConfig(
+                    policy=policy,
+                    router=router,
+                    kv_gb=KV_GB,
+                    max_model_len=4096,
+                    length_source=source if source != "predictor" else "oracle",
+                    seed=seed,
+                )
+                result = simulate(config, workload, cost_model, table if source == "predictor" else None)
+                rows.append(_row(trace, policy, source, seed, result))
+                bar.update(1)
+    return {"rows": rows, "prediction_errors": errors, "seeds": seeds, "num_requests": num_requests}
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    vals = [r[key] for r in rows if r[key] is not None]
+    return float(np.mean(vals)) if vals else math.nan
+
+
+def tables(res: dict[str, Any]) -> str:
+    rows = res["rows"]
+    out = ["Predictions against the truth:", "", "| trace | bucket accuracy | MAE tokens | under-predicted | "]
+    out[-1] += "ALISE doublings |"
+    out.append("|---|---|---|---|---|")
+    for trace, e in res["prediction_errors"].items():
+        out.append(
+            f"| {trace} | {e['bucket_accuracy']:.2f} | {e['mae_tokens']:.0f} | {e['under_share']:.0%} | "
+            f"{e['alise_doublings']} |"
         )
-    return rows
+    for key, label, fmt in (
+        ("normalized_latency_s", "normalized latency (s/token)", "{:.3f}"),
+        ("jct_p50_s", "JCT p50 (s)", "{:.1f}"),
+        ("throughput_tok_s", "throughput (tok/s)", "{:.0f}"),
+    ):
+        out += ["", f"{label}, mean over seeds {res['seeds']}:", ""]
+        out.append("| trace | policy | " + " | ".join(SOURCES) + " | predictor / oracle |")
+        out.append("|---|---|" + "---|" * (len(SOURCES) + 1))
+        for trace, _ in TRACES:
+            for policy in POLICIES:
+                if policy in LENGTH_FREE:
+                    value = fmt.format(_mean(_of(rows, trace, policy, "oracle"), key))
+                    out.append(f"| {trace} | {policy} | {value} | " + "same | " * (len(SOURCES) - 1) + "reads none |")
+                    continue
+                by = {s: _mean(_of(rows, trace, policy, s), key) for s in SOURCES}
+                ratio = by["predictor"] / by["oracle"] if by["oracle"] else math.nan
+                cells = " | ".join(fmt.format(by[s]) for s in SOURCES)
+                out.append(f"| {trace} | {policy} | {cells} | {ratio:.2f}x |")
+    out += ["", "Preemptions (by reason) and EconoServe's regroups, mean over seeds:", ""]
+    out.append("| trace | policy | " + " | ".join(SOURCES) + " |")
+    out.append("|---|---|" + "---|" * len(SOURCES))
+    for trace, _ in TRACES:
+        for policy in POLICIES:
+            cells = []
+            for s in SOURCES if policy not in LENGTH_FREE else ("oracle",):
+                mine = _of(rows, trace, policy, s)
+                reasons: dict[str, float] = defaultdict(float)
+                for r in mine:
+                    for k, n in r["preemptions_by_reason"].items():
+                        reasons[k] += n / len(mine)
+                text = f"{_mean(mine, 'preemptions'):.0f}"
+                if reasons:
+                    text += " (" + ", ".join(f"{k} {v:.0f}" for k, v in sorted(reasons.items())) + ")"
+                if mine[0]["regrouped"] is not None:
+                    text += f"; regrouped {_mean(mine, 'regrouped'):.0f}"
+                cells.append(text)
+            cells += ["same"] * (len(SOURCES) - len(cells))
+            out.append(f"| {trace} | {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def _of(rows: list[dict[str, Any]], trace: str, policy: str, source: str) -> list[dict[str, Any]]:
+    return [r for r in rows if (r["trace"], r["policy"], r["lengths"]) == (trace, policy, source)]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=600)
+    parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--json")
     args = parser.parse_args()
-    rows = run(args.num_requests)
-    print("| trace | policy | lengths | tok/s | goodput req/s | JCT p50 s | norm latency s/token | preemptions |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['trace']} | {r['policy']} | {r['lengths']} | {r['throughput_tok_s']:.0f} | "
-            f"{r['goodput_req_s']:.2f} | {r['jct_p50_s']:.1f} | {r['normalized_latency_s']:.3f} | {r['preemptions']} |"
-        )
+    res = run(args.num_requests, list(range(args.seeds)))
+    print(tables(res))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(res, f, indent=1)
     return 0
 
 

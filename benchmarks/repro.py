@@ -1,6 +1,8 @@
 """One command per paper: its headline comparison, run the way a reviewer would accept.
 
     python benchmarks/repro.py PAPER [--quick] [--seeds 3] [--duration 300] [--out docs/repro]
+                                     [--length-source predictor[:DIR]]
+    python benchmarks/repro.py econoserve --regroup 0.25,0.5,1,2     # the regroup factor, measured
 
 PAPER is sarathi, accelgen, econoserve, scls or alise. For each claim of the paper:
 - every system gets the same model, GPU, KV cache size, block size and precision (the only
@@ -17,8 +19,12 @@ PAPER is sarathi, accelgen, econoserve, scls or alise. For each claim of the pap
 - systems marked "ours" carry an extra that the paper does not have; they are reported
   beside the paper-faithful one, never in its place.
 Writes `<out>/<paper>.json` (every run) and `<out>/<paper>_<claim>.png` (one plot per claim),
-and prints markdown tables. `--quick` (one seed, one short run per system, one rate) is what
-the tests run.
+and prints markdown tables. `--length-source SRC` gives every system that reads predicted
+lengths (those not on `max_tokens`) SRC instead, labelled "system (SRC)", and writes
+`<out>/<paper>_<SRC>.json` and `..._<SRC>.png`; `predictor` is the real predictor on a trace
+with prompt text and, on a trace without (the papers' length generators), predictions drawn
+from the predictor's held-out error model (`services/lengths.py`). `--quick` (one seed, one
+short run per system, one rate) is what the tests run.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from scheduler_service.sim.simulator import SimConfig, Simulation
 from scheduler_service.sim.slo_profiles import apply_slo_profile, econoserve_latencies
 from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
 from scheduler_service.sim.workloads.base import TraceRequest
+from services.lengths import is_predictor_source, predictor_lengths
+from sluice.common.tokenizer import demo_tokenizer_path
 
 # vLLM v0's swap, beyond bytes / PCIe bandwidth: each block is one cudaMemcpyAsync per layer
 # for keys and one for values; ~5 us of launch and DMA set-up each (a pinned-memory copy of a
@@ -110,6 +118,8 @@ class Claim:
     quick_rate: float | None = None
     duration_s: float | None = None  # simulated seconds of arrivals per run (None: --duration)
     context_is_kv: bool = False  # the context is capped at what the KV cache holds (AccelGen's setting)
+    # count a text trace in the predictor's tokenizer's tokens, the unit its predictions are in
+    predictor_tokens: bool = False
 
 
 # ---------------------------------------------------------------- the papers' claims
@@ -184,6 +194,38 @@ def _econoserve() -> list[Claim]:
             block_size=32,
             rule=Rule("norm_latency", 4.0),
             quick_rate=1.0,
+        )
+    ]
+
+
+def _econoserve_regroup(factors: tuple[float, ...]) -> list[Claim]:
+    """EconoServe's misprediction rule (a GT that outran its allocation gets `regroup_factor` x
+    its tokens so far as its new remaining length) under the real predictor's errors, on ShareGPT
+    prompts with text; the oracle line shows what no misprediction would give."""
+    econo = "econoserve:padding=0.15,buffer=0.15"
+    return [
+        Claim(
+            "regroup",
+            "EconoServe's misprediction regroup factor under the real predictor (OPT-13B, A100, ShareGPT first turns)",
+            "not stated: a mispredicted GT is regrouped with a new predicted length (section 3.3.1)",
+            "opt-13b",
+            "a100-80g",
+            "sharegpt-conversations-2k",
+            (
+                *(System(f"regroup {f:g}", f"{econo},regroup_factor={f:g}", "predictor") for f in factors),
+                System("oracle lengths", econo, "oracle"),
+                System("vllm", "vllm:preemption_mode=swap", extra=VLLM_SWAP),
+            ),
+            "vllm",
+            (1.0, 1.5, 2.0, 3.0),
+            ("normalized_latency_s", "jct_mean_s", "throughput_tok_s"),
+            slo_profile="econoserve",
+            kv_gb=12.0,
+            block_size=32,
+            rule=Rule("norm_latency", 4.0),
+            quick_rate=1.0,
+            duration_s=200.0,
+            predictor_tokens=True,
         )
     ]
 
@@ -285,6 +327,10 @@ class _Recorded(Simulation):
         return req
 
 
+# policy counters (the simulator's `policy_stats`) copied into a run's row where a policy keeps them
+MISPREDICTION_COUNTERS = ("regrouped", "mispredicted_kept", "reserve_blocks_used", "requests_under_provisioned")
+
+
 @dataclass(frozen=True)
 class Setup:
     duration_s: float
@@ -307,7 +353,9 @@ def _with_offline(wl: Workload, share: float, cm: CostModel, seed: int) -> Workl
 
 def workload(claim: Claim, cm: CostModel, rate: float, seed: int, setup: Setup) -> Workload:
     n = max(setup.min_requests, math.ceil(rate * setup.duration_s))
-    wl = apply_arrivals(load_trace(claim.trace, num_requests=n, seed=seed), "poisson", rate=rate, seed=seed)
+    tokenizer = demo_tokenizer_path() if claim.predictor_tokens else None
+    base = load_trace(claim.trace, num_requests=n, seed=seed, tokenizer_path=tokenizer)
+    wl = apply_arrivals(base, "poisson", rate=rate, seed=seed)
     if claim.slo_profile:
         wl = apply_slo_profile(claim.slo_profile, wl, cm, seed)
     return _with_offline(wl, claim.offline_share, cm, seed)
@@ -350,6 +398,13 @@ def run_one(claim: Claim, system: System, rate: float, seed: int, setup: Setup) 
         # NOTE: so that one request always fits alone; longer prompts are rejected for every system alike
         assert claim.kv_gb is not None
         max_model_len = cm.num_kv_blocks(claim.block_size, 0.9, claim.kv_gb) * claim.block_size
+    # the predictor runs before the simulation (once per prompt set: cached on disk) and its
+    # answers go in as a table; the builtin sources are built by the simulator from their name
+    table = (
+        predictor_lengths(system.length_source, wl, seed, progress=False)
+        if is_predictor_source(system.length_source)
+        else None
+    )
     cfg = SimConfig(
         policy=system.policy,
         router=system.router,
@@ -358,14 +413,20 @@ def run_one(claim: Claim, system: System, rate: float, seed: int, setup: Setup) 
         block_size=claim.block_size,
         max_model_len=max_model_len,
         max_tokens=claim.max_tokens,
-        length_source=system.length_source,
+        length_source=system.length_source if table is None else "oracle",  # unused when a table is given
         seed=seed,
     )
     cfg = replace(cfg, **system.extra)
-    sim = _Recorded(cfg, wl, cm)
+    sim = _Recorded(cfg, wl, cm, table)
     full = sim.run()
     span = max((r.arrival_time for r in sim.made), default=0.0)
-    row: dict[str, Any] = {"system": system.label, "rate": rate, "seed": seed, "num_requests": len(wl)}
+    row: dict[str, Any] = {
+        "system": system.label,
+        "rate": rate,
+        "seed": seed,
+        "num_requests": len(wl),
+        "lengths": full.config["length_source"],
+    }
     row.update(steady_metrics(sim, setup.warmup * span))
     fm = full.metrics
     row.update(
@@ -377,6 +438,10 @@ def run_one(claim: Claim, system: System, rate: float, seed: int, setup: Setup) 
         busy_s=sum(full.details["busy_s_per_worker"].values()),
         swap_s=sim.swap_s,
     )
+    stats = list(full.details["policy_stats"].values())
+    if any(stats):  # a policy that keeps counters (EconoServe); summed over workers, absent ones are 0
+        for key in MISPREDICTION_COUNTERS:
+            row[key] = sum(int(s.get(key, 0)) for s in stats)  # type: ignore[call-overload]
     placements = [getattr(s.policy, "num_alg2_placements", None) for s in sim.cluster.schedulers.values()]
     if placements[0] is not None:  # AccelGen: how often Algorithm 2 placed a request
         row["alg2_placements"] = sum(placements)
@@ -554,7 +619,40 @@ def claim_tables(res: dict[str, Any]) -> str:
                 text = f"{c['capacity']:.2f}" + (" (beyond the sweep)" if c.get("beyond_sweep") else "")
                 ratio = f"{c['capacity'] / ref:.2f}x" if ref else "-"
             lines.append(f"| {lab} | {text} | {ratio} |")
+    if any("regrouped" in r for r in res["rows"]):
+        lines += ["", counter_table(res)]
     return "\n".join(lines)
+
+
+def counter_table(res: dict[str, Any]) -> str:
+    """EconoServe's misprediction counters and the preemptions, mean over seeds per rate."""
+    rates = sorted({r["rate"] for r in res["rows"]})
+    lines = [
+        "Mean over seeds: regrouped / stopped at a full allocation (mispredicted_kept) / preemptions",
+        "",
+        "| system | " + " | ".join(f"{r:g} req/s" for r in rates) + " |",
+        "|---|" + "---|" * len(rates),
+    ]
+    for s in res["systems"]:
+        cells = []
+        for rate in rates:
+            rows = [r for r in res["rows"] if r["system"] == s["label"] and r["rate"] == rate]
+            if not rows:
+                cells.append("-")
+                continue
+            keys = ("regrouped", "mispredicted_kept", "preemptions")
+            cells.append(" / ".join(fmt(_mean(rows, k), 4) for k in keys))
+        lines.append(f"| {s['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def with_length_source(claim: Claim, source: str) -> Claim:
+    """Every system that reads predicted lengths gets `source`; the others are unchanged."""
+    systems = tuple(
+        s if s.length_source == "max_tokens" else replace(s, label=f"{s.label} ({source})", length_source=source)
+        for s in claim.systems
+    )
+    return replace(claim, systems=systems)
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
@@ -628,6 +726,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paper", choices=sorted(PAPERS))
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed .. first-seed + seeds - 1")
+    parser.add_argument("--rates", help="comma-separated arrival rates instead of each claim's own sweep")
     parser.add_argument("--duration", type=float, default=300.0, help="simulated seconds of arrivals per run")
     parser.add_argument("--warmup", type=float, default=0.2, help="share of the arrival span excluded as warm-up")
     parser.add_argument("--min-requests", type=int, default=200)
@@ -635,25 +735,60 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="one seed, one rate, 60 s: a smoke run")
     parser.add_argument("--out", default="docs/repro")
     parser.add_argument("--cause", action="store_true", help="scls only: where its GPU time goes against FastGen's")
+    parser.add_argument(
+        "--length-source",
+        help="predicted lengths for every system that reads them: oracle, noisy_oracle or predictor[:DIR]",
+    )
+    parser.add_argument(
+        "--regroup",
+        help="econoserve only: sweep the misprediction regroup_factor over these values (comma-separated), "
+        "with the real predictor on ShareGPT prompts",
+    )
     args = parser.parse_args(argv)
     if args.cause:
         if args.paper != "scls":
             parser.error("--cause is measured for scls only")
         return {"paper": "scls", "cause": scls_cause()}
+    claims = PAPERS[args.paper]()
+    name = args.paper
+    if args.regroup:
+        if args.paper != "econoserve":
+            parser.error("--regroup is measured for econoserve only")
+        try:
+            factors = tuple(float(f) for f in args.regroup.split(","))
+        except ValueError:
+            parser.error(f"--regroup must be comma-separated numbers, got {args.regroup!r}")
+        claims, name = _econoserve_regroup(factors), "econoserve_regroup"
+    if args.rates:
+        try:
+            rates = tuple(sorted(float(r) for r in args.rates.split(",")))
+        except ValueError:
+            parser.error(f"--rates must be comma-separated numbers, got {args.rates!r}")
+        claims = [replace(c, rates=rates) for c in claims]
+        name = f"{name}_{'-'.join(f'{r:g}' for r in rates)}"  # beside, not over, the full sweep's file
+    if args.length_source:
+        known = ("oracle", "noisy_oracle", "max_tokens")
+        if args.length_source not in known and not is_predictor_source(args.length_source):
+            parser.error(f"--length-source must be one of {', '.join(known)} or predictor[:DIR]")
+        claims = [with_length_source(c, args.length_source) for c in claims]
+        name = f"{name}_{args.length_source.split(':')[0]}"
     if args.quick:
         setup, seeds = Setup(60.0, args.warmup, 30), [0]
     else:
-        setup, seeds = Setup(args.duration, args.warmup, args.min_requests), list(range(args.seeds))
+        setup = Setup(args.duration, args.warmup, args.min_requests)
+        seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    if args.first_seed and not args.quick:
+        name = f"{name}_seeds{seeds[0]}-{seeds[-1]}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"paper": args.paper, "command": "python benchmarks/repro.py " + " ".join(argv or []), "claims": []}
-    for claim in PAPERS[args.paper]():
+    for claim in claims:
         res = run_claim(claim, setup, seeds, args.refine, args.quick)
         results["claims"].append(res)
-        plot(res, out / f"{args.paper}_{claim.name}.png")
+        plot(res, out / f"{name}_{claim.name}.png")
         print(claim_tables(res), flush=True)
         print(flush=True)
-    (out / f"{args.paper}.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=str))
     return results
 
 

@@ -114,6 +114,12 @@ class Policy(ABC):
         (e.g. it holds requests back until then); None when it has no such need."""
         return None
 
+    def stats_report(self) -> dict[str, object]:
+        """Counters a policy keeps about its own decisions (e.g. EconoServe's regroups), for
+        reports such as the simulator's `policy_stats`; empty for a policy that keeps none.
+        Reading them must not change the policy's state."""
+        return {}
+
 
 POLICIES: Registry[type[Policy]] = Registry("policy")
 

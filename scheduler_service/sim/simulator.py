@@ -378,6 +378,11 @@ class Simulation:
         }
         config.pop("progress", None)
         details = self.metrics.details()
+        # per worker (keyed by its id): what each worker's policy counted about its own
+        # decisions; workers whose policy keeps no counters are left out
+        details["policy_stats"] = {
+            str(w): stats for w, s in self.cluster.schedulers.items() if (stats := s.policy.stats_report())
+        }
         if isinstance(self.cluster, DisaggCluster):
             link = self.link
             details["disagg"] = {
