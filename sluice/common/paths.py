@@ -78,6 +78,19 @@ def data_file(relpath: str | Path, roots: Sequence[Path] | None = None) -> Path:
     )
 
 
+def portable_path(path: str | Path) -> str:
+    """How a data file is named in results that others read: relative to the data folder that
+    holds it (`traces/x.csv`), so no machine's own folders end up in committed JSON; a file
+    outside every data folder keeps the path it was given."""
+    resolved = Path(path).resolve()
+    for root in data_roots():
+        try:
+            return str(resolved.relative_to(root.resolve()))
+        except ValueError:
+            continue
+    return str(path)
+
+
 def open_text(path: str | Path) -> IO[str]:
     """A data file as text; gzip is recognised by its magic bytes, not by the file name."""
     with open(path, "rb") as raw:

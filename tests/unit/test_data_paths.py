@@ -18,6 +18,7 @@ from sluice.common.paths import (
     data_roots,
     find_data_file,
     open_text,
+    portable_path,
     repo_root,
 )
 
@@ -120,3 +121,18 @@ def test_regenerating_from_the_full_data_set_gives_the_committed_bundle() -> Non
     if source is None:
         pytest.skip("the full data set is not here ($SLUICE_DATA_DIR or ../shared/data); the bundle is checked above")
     assert TOOL.check(source, bundle_dir()) == []
+
+
+def test_a_loaded_trace_names_its_file_relative_to_its_data_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Results are committed: a machine's own folders must not end up in them.
+    folder = tmp_path / "elsewhere"
+    (folder / "traces").mkdir(parents=True)
+    with open_text(data_file(AZURE_CONV)) as src:
+        (folder / "traces" / "mine.csv").write_text("".join(src.readline() for _ in range(8)))
+    monkeypatch.setenv("SLUICE_DATA_DIR", str(folder))
+    wl = load_trace(str(folder / "traces" / "mine.csv"), num_requests=5)
+    assert wl.metadata["path"] == "traces/mine.csv"
+    outside = tmp_path / "outside.csv"
+    assert portable_path(outside) == str(outside)

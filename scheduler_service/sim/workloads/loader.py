@@ -32,7 +32,7 @@ from scheduler_service.sim.workloads.base import (
 from scheduler_service.sim.workloads.fileio import read_head
 from scheduler_service.sim.workloads.synthetic import SYNTHETIC_WORKLOADS
 from scheduler_service.sim.workloads.tokens import TokenCounter, make_token_counter
-from sluice.common.paths import DataFileNotFoundError, data_file
+from sluice.common.paths import DataFileNotFoundError, data_file, portable_path
 
 SHORT_NAMES: dict[str, str] = {
     "azure-conv": "traces/AzureLLMInferenceTrace_conv.csv",
@@ -150,7 +150,7 @@ def read_trace_file(
         detail = str(exc) if isinstance(exc, ValueError) else repr(exc)
         raise ValueError(f"{path}: not a valid {trace_format.description} file: {detail}") from None
     metadata: dict[str, Any] = {
-        "path": str(path),
+        "path": portable_path(path),
         "format": trace_format.name,
         "num_requests_limit": num_requests,
         "token_counter": getattr(counter, "name", repr(counter)),
