@@ -199,11 +199,16 @@ class EngineRunner:
     and for Warmup's measurement, the engine thread runs it.
     """
 
-    def __init__(self, engine: LLMEngine, pipeline: str = "auto") -> None:
+    def __init__(self, engine: LLMEngine, pipeline: str = "auto", step_spans: bool | None = None) -> None:
+        """`step_spans`: whether steps are traced, a span per call into the engine (which keeps the
+        pipeline off); None: whenever tracing is set up in this process. The tracer provider is
+        process-wide and cannot be taken down, so a worker embedded beside traced code (a test
+        process, a benchmark) says False to pipeline its steps untraced."""
         if pipeline not in PIPELINE_MODES:
             raise ValueError(f"worker_pipeline must be one of {', '.join(PIPELINE_MODES)}, got {pipeline!r}")
         self.engine = engine
         self.pipeline = pipeline
+        self.step_spans = step_spans
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-engine")
         self._lock = asyncio.Lock()
         self._seconds_per_token: float | None = None
@@ -282,10 +287,14 @@ class EngineRunner:
                 await asyncio.shield(asyncio.wrap_future(busy))
 
     @property
+    def traces_steps(self) -> bool:
+        return tracing_enabled() if self.step_spans is None else self.step_spans
+
+    @property
     def pipelines(self) -> bool:
         """Whether Execute streams run through the engine pipeline. NOTE: not while tracing: a
         step's span wraps one call into the engine, and a pipelined step is two."""
-        if self.pipeline == "off" or not hasattr(self.engine, "launch") or tracing_enabled():
+        if self.pipeline == "off" or not hasattr(self.engine, "launch") or self.traces_steps:
             return False
         async_device = self.accelerated or bool(getattr(self.engine, "async_device_s", 0.0))
         return self.pipeline == "on" or async_device
@@ -623,7 +632,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def _execute_traced(self, plan: StepPlan) -> StepResult:
         """The step inside a span linked to the spans of the requests it advances (sluice.common.telemetry);
         without tracing set up, just the step."""
-        if not tracing_enabled():
+        if not self.runner.traces_steps:
             return await self._execute(plan)
         self.traceparents.update(((r.request_id, r.traceparent) for r in plan.new_requests), plan.release_ids)
         with step_span(self.worker_id, plan.step_id, self.traceparents.lookup(plan.num_scheduled_tokens)) as span:

@@ -39,7 +39,7 @@ def plan(step: int, scheduled: dict[str, int], follows: int = 0, new=(), release
 @pytest.fixture
 async def worker() -> AsyncIterator[tuple[RemoteWorker, EchoEngine, EngineRunner]]:
     engine = EchoEngine(EngineConfig(model="tiny-llama", block_size=BLOCK), step_time_s=DEVICE_S, async_device=True)
-    runner = EngineRunner(engine, "on")
+    runner = EngineRunner(engine, "on", step_spans=False)
     server = build_server(engine, 0, runner=runner, options=WorkerServerOptions(pipeline="on"))
     await server.start(ready=False)
     remote = RemoteWorker(0, f"127.0.0.1:{server.port}", step_timeout_s=10.0)
@@ -138,7 +138,7 @@ async def test_a_stream_that_ends_with_steps_launched_collects_them() -> None:
     once the stream is gone nothing is left uncollected and each request's tokens are back in
     its history (the leak check of the engine's pipeline)."""
     engine = LLMEngine(EngineConfig(model="tiny-llama", load_format="dummy", block_size=BLOCK))
-    runner = EngineRunner(engine, "on")
+    runner = EngineRunner(engine, "on", step_spans=False)
     server = build_server(engine, 0, runner=runner, options=WorkerServerOptions(pipeline="on"))
     await server.start(ready=False)
     remote = RemoteWorker(0, f"127.0.0.1:{server.port}", step_timeout_s=30.0)

@@ -25,7 +25,7 @@ prompts, tokenizer, reference = overlap_live.prompts, overlap_live.tokenizer, ov
 
 async def start(pipeline: str) -> tuple[Worker, EngineRunner]:
     eng = engine()
-    runner = EngineRunner(eng, pipeline)
+    runner = EngineRunner(eng, pipeline, step_spans=False)  # untraced even after another module set up tracing
     server = build_worker_server(eng, 0, runner=runner, options=WorkerServerOptions(pipeline=pipeline))
     await server.start(ready=False)
     return Worker(eng, server.server, server.port), runner
