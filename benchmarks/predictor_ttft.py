@@ -16,7 +16,7 @@ measures is the rest, the predictor's CPU time on a machine the workers share (i
 niceness `sluice serve` gives it), the extra RPCs on the scheduler's event loop, and re-filing
 requests when answers come.
 
-    python benchmarks/predictor_ttft.py [--rounds 4] [--requests 40] [--json out.json]
+    python benchmarks/predictor_ttft.py [--rounds 4] [--requests 40] [--priorities idle,nice] [--json out.json]
 """
 
 from __future__ import annotations
@@ -101,10 +101,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     demo = DemoOptions(num_requests=args.requests)
     load = [os.getloadavg()[0]]
     workers = await start_workers(cfg)
-    rounds: list[dict[str, dict]] = []
+    rounds: list[dict[str, Any]] = []
+    priorities = args.priorities.split(",")
     try:
         for i in tqdm(range(args.rounds), desc="rounds", unit="round"):
-            rounds.append(await one_round(cfg, workers, demo, first=i % 2))
+            # NOTE: with several priorities the rounds alternate between them, so each is measured
+            # beside the other on the same workers, not in separate runs minutes apart.
+            prio = priorities[i % len(priorities)]
+            modes = await one_round(
+                replace(cfg, predictor_idle=prio == "idle"), workers, demo, first=(i // len(priorities)) % 2
+            )
+            rounds.append({"priority": prio, **modes})
     finally:
         await stop_workers(workers)
     load.append(os.getloadavg()[0])
@@ -112,7 +119,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(res: dict[str, Any]) -> str:
-    rounds, n = res["rounds"], res["requests"]
+    by_priority: dict[str, list[dict]] = {}
+    for r in res["rounds"]:
+        by_priority.setdefault(r.get("priority", "nice"), []).append(r)
+    parts = [
+        f"predictor priority: {prio} ({len(rounds)} rounds)\n\n" + report_rounds(rounds, res["requests"])
+        for prio, rounds in by_priority.items()
+    ]
+    parts.append(f"load average (1 min) before / after: {res['load_average'][0]:.1f} / {res['load_average'][1]:.1f}")
+    return "\n\n".join(parts)
+
+
+def report_rounds(rounds: list[dict[str, Any]], n: int) -> str:
     lines = [
         "| mode | TTFT p50 ms (median of rounds) | TTFT mean ms | paired p50 ratio vs without (median) | "
         "answers applied per round | predictor CPU s per round |",
@@ -135,11 +153,10 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"\nTTFT p50 added by the predictor, {mode}: {added[mode]:+.1%} (target <= 2%: {verdict})")
     per_round = {m: [round(r[m]["p50"] * 1e3, 1) for r in rounds] for m in MODES}
     lines.append(f"per round TTFT p50 ms: {per_round}")
-    lines.append(f"load average (1 min) before / after: {res['load_average'][0]:.1f} / {res['load_average'][1]:.1f}")
     return "\n".join(lines)
 
 
-def pooled(rounds: list[dict[str, dict]], resamples: int = 2000) -> str:
+def pooled(rounds: list[dict[str, Any]], resamples: int = 2000) -> str:
     """Every request's TTFT of every round pooled per mode: the ratio of the pooled medians with a
     95% bootstrap interval (requests resampled within each round), i.e. how finely this run can
     resolve an added share of TTFT at all."""
@@ -169,7 +186,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--json")
+    parser.add_argument(
+        "--priorities",
+        default="nice",
+        help="the predictor's CPU priority, comma-separated to alternate rounds: nice (its niceness alone, the "
+        "default of sluice serve) and/or idle (SCHED_IDLE as well, --predictor-idle)",
+    )
     args = parser.parse_args()
+    if not set(args.priorities.split(",")) <= {"idle", "nice"}:
+        parser.error(f"--priorities: each must be idle or nice, got {args.priorities!r}")
     res = asyncio.run(main_async(args))
     print(report(res))
     if args.json:
