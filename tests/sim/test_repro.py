@@ -3,26 +3,11 @@ claim, steady-state measurement with the warm-up excluded, capacity that stops a
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
-import pytest
 from tqdm import tqdm
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def repro() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("repro", ROOT / "benchmarks" / "repro.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["repro"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_paper_compares_its_systems_on_one_setup_with_its_own_baseline(repro: ModuleType) -> None:

@@ -4,25 +4,11 @@ real predictor on prompts with text and reports EconoServe's misprediction count
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def repro() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("repro_lengths", ROOT / "benchmarks" / "repro.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["repro_lengths"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_length_source_reaches_only_the_systems_that_read_lengths(repro: ModuleType) -> None:
