@@ -51,6 +51,16 @@ async def worker() -> Worker:
     await w.server.stop(None)
 
 
+def stop_strings(prompts: Sequence[str], tokenizer: Tokenizer, reference: LLMEngine) -> dict[int, str]:
+    """Stop strings for prompts 1, 5 and 9, cut from what the engine alone generates, so they do occur."""
+    stops = {}
+    for i in (1, 5, 9):
+        ids = tokenizer.encode(prompts[i])
+        full = tokenizer.decode(ids + run_alone(reference, ids, 12))[len(tokenizer.decode(ids)) :]
+        stops[i] = full.split()[2]
+    return stops
+
+
 async def run_mix(client, prompts: Sequence[str], stops: dict[int, str]) -> dict[int, tuple[list[int], str, int]]:
     """Every request at once; returns (token ids, text, finish reason) per request index."""
 
@@ -84,12 +94,7 @@ async def test_overlap_gives_the_tokens_of_no_overlap_with_stops_cancels_and_pre
     worker: Worker, prompts: list[str], tokenizer: Tokenizer, reference: LLMEngine
 ) -> None:
     chosen = prompts[:NUM]
-    # stop strings cut from what the engine alone generates, so they do occur
-    stops = {}
-    for i in (1, 5, 9):
-        ids = tokenizer.encode(chosen[i])
-        full = tokenizer.decode(ids + run_alone(reference, ids, 12))[len(tokenizer.decode(ids)) :]
-        stops[i] = full.split()[2]
+    stops = stop_strings(chosen, tokenizer, reference)
     runs = {}
     for overlap in (False, True):
         # NOTE: 20 blocks of 16 tokens for 16 requests of up to ~140 tokens: preemptions happen.

@@ -13,7 +13,7 @@ import pytest
 from sluice.common.tokenizer import Tokenizer
 from sluice.v1 import common_pb2
 from tests.integration import test_overlap_live as overlap_live
-from tests.integration.test_scheduler_live import Worker, engine, run_alone, scheduler
+from tests.integration.test_scheduler_live import Worker, engine, scheduler
 from worker_service.engine import LLMEngine
 from worker_service.server import EngineRunner, WorkerServerOptions
 from worker_service.server import build_server as build_worker_server
@@ -44,11 +44,7 @@ async def test_pipelined_worker_gives_the_tokens_of_one_step_at_a_time(
 ) -> None:
     assert workers["on"][1].pipelines and not workers["off"][1].pipelines
     chosen = prompts[:NUM]
-    stops = {}
-    for i in (1, 5, 9):
-        ids = tokenizer.encode(chosen[i])
-        full = tokenizer.decode(ids + run_alone(reference, ids, 12))[len(tokenizer.decode(ids)) :]
-        stops[i] = full.split()[2]
+    stops = overlap_live.stop_strings(chosen, tokenizer, reference)
     runs = {}
     for pipeline, overlap in (("off", False), ("on", True)):
         worker = workers[pipeline][0]
