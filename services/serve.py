@@ -12,6 +12,8 @@
         its stderr, and started again after a backoff (doubling up to restart_max_s) on the
         same port, so the scheduler's reconnect finds it; when that port is taken it starts
         on a new one and the scheduler is told the new address.
+        --worker-cpus / --predictor-cpus pin the workers and the predictor to CPU sets
+        (services/affinity.py): the predictor on cores of its own, as its own container has.
     sluice serve --prefill-workers N --decode-workers M [...]
         disaggregated: N `sluice worker --role prefill` and M `--role decode` processes; the
         scheduler builds a DisaggCluster from the roles they announce and drives the KV
@@ -55,6 +57,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from scheduler_service.live.config import LiveConfig
+from services.affinity import parse_cpus
 from sluice.common.config import add_config_arguments, config_from, opt, subset
 from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted, split_keys
 
@@ -105,7 +108,7 @@ class ServeConfig(SchedulerServiceConfig):
     # RAM; the launcher gives its CPU workers a fixed pool instead (None lets a GPU worker measure).
     num_gpu_blocks: int | None = opt(512, "KV blocks per worker; none: each worker measures its device")
     swap_space_gib: float = opt(0.05, "host swap space per worker in GiB")
-    worker_threads: int = opt(0, "torch threads per worker; 0: the cores shared out evenly")
+    worker_threads: int = opt(0, "torch threads per worker; 0: the cores (of worker_cpus when set) shared out evenly")
     worker_start_timeout_s: float = opt(120.0, "seconds a worker gets to start and answer health")
     worker_host: str = opt("127.0.0.1", "address the workers listen on (loopback: only this machine reaches them)")
     restart_min_s: float = opt(1.0, "first delay before restarting a worker that exited")
@@ -127,6 +130,19 @@ class ServeConfig(SchedulerServiceConfig):
         "run the predictor at idle CPU priority as well (Linux SCHED_IDLE): it only takes a core the workers "
         "and the scheduler leave free, so fewer of its answers arrive while they matter",
     )
+    # NOTE: off by default. Pinned apart, the predictor's encoder cannot take a core from a worker's
+    # prefill, as when it runs as its own container (docker-compose, Kubernetes); the scheduler (this
+    # process) stays where it was started.
+    worker_cpus: str | None = opt(
+        None, "CPUs the workers are pinned to, like 0-3 or 0,2-3 (all share the set); none: not pinned"
+    )
+    predictor_cpus: str | None = opt(None, "CPUs the predictor process is pinned to, like 4 or 4-5; none: not pinned")
+
+    def worker_cpu_set(self) -> frozenset[int] | None:
+        return parse_cpus(self.worker_cpus, "worker_cpus")
+
+    def predictor_cpu_set(self) -> frozenset[int] | None:
+        return parse_cpus(self.predictor_cpus, "predictor_cpus")
 
 
 # ---------------------------------------------------------------- worker processes
@@ -170,9 +186,19 @@ def worker_roles(cfg: ServeConfig) -> list[str]:
     return ["prefill"] * cfg.prefill_workers + ["decode"] * cfg.decode_workers
 
 
+def threads_per_worker(cfg: ServeConfig) -> int:
+    """Torch threads per worker: worker_threads, else the workers' cores shared out evenly (the
+    pinned set when worker_cpus is given: more threads than its cores would only wait)."""
+    if cfg.worker_threads:
+        return cfg.worker_threads
+    pinned = cfg.worker_cpu_set()
+    cores = len(pinned) if pinned else (os.cpu_count() or 1)
+    return max(1, cores // len(worker_roles(cfg)))
+
+
 def worker_command(cfg: ServeConfig, worker_id: int, port: int = 0) -> list[str]:
     roles = worker_roles(cfg)
-    threads = cfg.worker_threads or max(1, (os.cpu_count() or 1) // len(roles))
+    threads = threads_per_worker(cfg)
     cmd = [sys.executable, "-m", "services.cli", "worker", "--host", cfg.worker_host, "--port", str(port)]
     cmd += ["--worker-id", str(worker_id), "--model", cfg.model, "--load-format", cfg.load_format]
     cmd += ["--role", roles[worker_id]]
@@ -196,19 +222,23 @@ def worker_environment(cfg: ServeConfig) -> dict[str, str]:
 
 
 async def spawn_worker(cfg: ServeConfig, worker_id: int, port: int = 0) -> WorkerProcess:
-    return await spawn_process(worker_command(cfg, worker_id, port), worker_environment(cfg), worker_id)
+    cmd = worker_command(cfg, worker_id, port)
+    return await spawn_process(cmd, worker_environment(cfg), worker_id, cpus=cfg.worker_cpu_set())
 
 
-def lower_priority(niceness: int, idle: bool) -> Callable[[], None] | None:
-    """What a child runs before it starts: its niceness, and SCHED_IDLE where the OS has it.
+def child_setup(niceness: int, idle: bool, cpus: frozenset[int] | None = None) -> Callable[[], None] | None:
+    """What a child runs before it starts: its niceness, SCHED_IDLE where the OS has it, and the
+    CPUs it is pinned to (parse_cpus has checked that the OS can pin and the CPUs are ours).
     NOTE: a niceness of 10 still leaves the predictor about a tenth of a contended core, taken at
     the moment a request arrives, which is when its prefill needs the core; an idle-class process
     runs only on a core nothing else wants (its answers are never awaited, only later)."""
     idle = idle and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
-    if not niceness and not idle:
+    if not niceness and not idle and not cpus:
         return None
 
     def apply() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # inherited across exec, by every thread the child starts
         if niceness:
             os.nice(niceness)
         if idle:
@@ -218,14 +248,19 @@ def lower_priority(niceness: int, idle: bool) -> Callable[[], None] | None:
 
 
 async def spawn_process(
-    cmd: Sequence[str], env: dict[str, str], worker_id: int, niceness: int = 0, idle: bool = False
+    cmd: Sequence[str],
+    env: dict[str, str],
+    worker_id: int,
+    niceness: int = 0,
+    idle: bool = False,
+    cpus: frozenset[int] | None = None,
 ) -> WorkerProcess:
     proc = await asyncio.create_subprocess_exec(
         *cmd,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=env,
-        preexec_fn=lower_priority(niceness, idle),
+        preexec_fn=child_setup(niceness, idle, cpus),
     )
     child = WorkerProcess(worker_id, proc)
     child._drains.append(asyncio.create_task(_drain_stderr(child)))
@@ -261,8 +296,15 @@ async def start_predictor(cfg: ServeConfig) -> WorkerProcess | None:
     into the cache at first use), unless one is named or it is turned off."""
     if not cfg.start_predictor or cfg.predictor:
         return None
+    # NOTE: `sluice predictor serve` runs one onnxruntime thread by default, one core whether
+    # pinned or not, so predictor_cpus needs no thread count of its own
     child = await spawn_process(
-        predictor_command(cfg), worker_environment(cfg), PREDICTOR_ID, cfg.predictor_niceness, cfg.predictor_idle
+        predictor_command(cfg),
+        worker_environment(cfg),
+        PREDICTOR_ID,
+        cfg.predictor_niceness,
+        cfg.predictor_idle,
+        cpus=cfg.predictor_cpu_set(),
     )
     try:
         await _ready(child, cfg)
@@ -678,6 +720,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = config_from(ServeConfig, args, file=args.config, exclude=SERVE_EXCLUDES)
     try:
         worker_roles(cfg)
+        cfg.worker_cpu_set()  # a bad CPU list fails here, before anything starts
+        cfg.predictor_cpu_set()
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     demo = DemoOptions(num_requests=args.demo_requests) if args.demo else None

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from services.serve import lower_priority, spawn_process, stop_workers
+from services.serve import child_setup, spawn_process, stop_workers
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(30)"]
 
@@ -29,4 +29,4 @@ async def test_the_predictor_child_runs_at_the_priority_it_was_given(idle: bool)
 
 
 def test_nothing_to_lower_runs_nothing_in_the_child() -> None:
-    assert lower_priority(0, False) is None
+    assert child_setup(0, False) is None
