@@ -1,5 +1,6 @@
 """The whole stack as processes: `sluice serve` starts, prints where it listens, serves and
-shuts down on SIGINT leaving no worker behind; and a worker process killed with SIGKILL
+shuts down on SIGINT leaving no worker behind (with the worker and the predictor pinned to
+CPUs of their own where there are 2); and a worker process killed with SIGKILL
 mid-run leaves every admitted request finished on the other worker."""
 
 from __future__ import annotations
@@ -42,8 +43,30 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _children(pid: int) -> dict[int, str]:
+    """The child processes of `pid` and their command lines (Linux /proc)."""
+    out: dict[int, str] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in map(int, f.read().split()):
+                with open(f"/proc/{child}/cmdline", "rb") as c:
+                    out[child] = c.read().replace(b"\0", b" ").decode()
+    return out
+
+
+def _pinning() -> tuple[list[str], dict[str, set[int]]]:
+    """Flags that put the worker and the predictor on different CPUs, and which each should get;
+    none where this process has fewer than 2 CPUs or the OS cannot pin."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        return [], {}
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    return ["--worker-cpus", str(a), "--predictor-cpus", str(b)], {" worker ": {a}, " predictor serve ": {b}}
+
+
 async def test_sluice_serve_listens_serves_and_stops_cleanly_on_sigint() -> None:
+    pin_flags, pinned = _pinning()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--workers", "1", "--port", "0", "--num-gpu-blocks", "64"]
+    cmd += pin_flags
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     assert proc.stdout is not None
     try:
@@ -59,6 +82,12 @@ async def test_sluice_serve_listens_serves_and_stops_cleanly_on_sigint() -> None
             info = await stub.GetServerInfo(generation_pb2.GetServerInfoRequest())
         assert [len(t) for t in tokens] == [8] * 4
         assert [w.address for w in info.workers] == [match.group(3)]
+        # the worker and the predictor, started with the flags, run on the CPUs they name
+        children = _children(proc.pid)
+        for role, cpus in pinned.items():
+            pids = [pid for pid, line in children.items() if role in line]
+            assert len(pids) == 1, (role, children)
+            assert os.sched_getaffinity(pids[0]) == cpus, role
         proc.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(proc.wait(), timeout=60) == 0
         rest = (await proc.stdout.read()).decode()
