@@ -16,7 +16,14 @@ measures is the rest, the predictor's CPU time on a machine the workers share (i
 niceness `sluice serve` gives it), the extra RPCs on the scheduler's event loop, and re-filing
 requests when answers come.
 
+With --worker-cpus / --predictor-cpus (as `sluice serve` takes them) the predictor runs on cores
+the workers do not use, as when it is its own container: what remains is its RPCs and re-filing
+on the scheduler's loop. The pinning holds for all three modes, `without` included (the workers
+are pinned for the whole run), so the comparison stays side by side; the scheduler (this
+process) is not pinned: start it under `taskset -c LIST` to place it too.
+
     python benchmarks/predictor_ttft.py [--rounds 4] [--requests 40] [--priorities idle,nice] [--json out.json]
+        [--worker-cpus 0 --predictor-cpus 1]
 """
 
 from __future__ import annotations
@@ -97,7 +104,7 @@ async def one_round(cfg: ServeConfig, workers: list, demo: DemoOptions, first: i
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = ServeConfig(port=0, start_predictor=True)
+    cfg = pinned_config(args)
     demo = DemoOptions(num_requests=args.requests)
     load = [os.getloadavg()[0]]
     workers = await start_workers(cfg)
@@ -115,7 +122,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await stop_workers(workers)
     load.append(os.getloadavg()[0])
-    return {"rounds": rounds, "load_average": load, "requests": args.requests, "time": time.time()}
+    pinning = {"worker_cpus": cfg.worker_cpus, "predictor_cpus": cfg.predictor_cpus}
+    return {"rounds": rounds, "load_average": load, "requests": args.requests, "time": time.time(), **pinning}
+
+
+def pinned_config(args: argparse.Namespace) -> ServeConfig:
+    """The launcher's settings with the run's CPU sets; ValueError naming the flag's setting for a
+    list that does not parse or names CPUs this process may not use."""
+    cfg = ServeConfig(port=0, start_predictor=True, worker_cpus=args.worker_cpus, predictor_cpus=args.predictor_cpus)
+    cfg.worker_cpu_set()
+    cfg.predictor_cpu_set()
+    return cfg
 
 
 def report(res: dict[str, Any]) -> str:
@@ -127,6 +144,7 @@ def report(res: dict[str, Any]) -> str:
         for prio, rounds in by_priority.items()
     ]
     parts.append(f"load average (1 min) before / after: {res['load_average'][0]:.1f} / {res['load_average'][1]:.1f}")
+    parts.append(f"CPUs: workers {res.get('worker_cpus') or 'any'}, predictor {res.get('predictor_cpus') or 'any'}")
     return "\n\n".join(parts)
 
 
@@ -192,9 +210,15 @@ def main() -> int:
         help="the predictor's CPU priority, comma-separated to alternate rounds: nice (its niceness alone, the "
         "default of sluice serve) and/or idle (SCHED_IDLE as well, --predictor-idle)",
     )
+    parser.add_argument("--worker-cpus", help="pin the workers to these CPUs (0,2-3), in every mode; default: not")
+    parser.add_argument("--predictor-cpus", help="pin the predictor to these CPUs; default: not")
     args = parser.parse_args()
     if not set(args.priorities.split(",")) <= {"idle", "nice"}:
         parser.error(f"--priorities: each must be idle or nice, got {args.priorities!r}")
+    try:
+        pinned_config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     res = asyncio.run(main_async(args))
     print(report(res))
     if args.json:
