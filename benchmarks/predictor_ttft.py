@@ -19,11 +19,11 @@ requests when answers come.
 With --worker-cpus / --predictor-cpus (as `sluice serve` takes them) the predictor runs on cores
 the workers do not use, as when it is its own container: what remains is its RPCs and re-filing
 on the scheduler's loop. The pinning holds for all three modes, `without` included (the workers
-are pinned for the whole run), so the comparison stays side by side; the scheduler (this
-process) is not pinned: start it under `taskset -c LIST` to place it too.
+are pinned for the whole run), so the comparison stays side by side; --scheduler-cpus pins this
+process (the scheduler) once the workers run.
 
     python benchmarks/predictor_ttft.py [--rounds 4] [--requests 40] [--priorities idle,nice] [--json out.json]
-        [--worker-cpus 0 --predictor-cpus 1]
+        [--worker-cpus 0 --predictor-cpus 1 --scheduler-cpus 0]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from services.affinity import pin_self
 from services.serve import (
     DemoOptions,
     ServeConfig,
@@ -108,6 +109,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     demo = DemoOptions(num_requests=args.requests)
     load = [os.getloadavg()[0]]
     workers = await start_workers(cfg)
+    pin_self(cfg.scheduler_cpu_set())
     rounds: list[dict[str, Any]] = []
     priorities = args.priorities.split(",")
     try:
@@ -122,16 +124,23 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await stop_workers(workers)
     load.append(os.getloadavg()[0])
-    pinning = {"worker_cpus": cfg.worker_cpus, "predictor_cpus": cfg.predictor_cpus}
+    pinning = {name: getattr(cfg, name) for name in ("worker_cpus", "predictor_cpus", "scheduler_cpus")}
     return {"rounds": rounds, "load_average": load, "requests": args.requests, "time": time.time(), **pinning}
 
 
 def pinned_config(args: argparse.Namespace) -> ServeConfig:
     """The launcher's settings with the run's CPU sets; ValueError naming the flag's setting for a
     list that does not parse or names CPUs this process may not use."""
-    cfg = ServeConfig(port=0, start_predictor=True, worker_cpus=args.worker_cpus, predictor_cpus=args.predictor_cpus)
+    cfg = ServeConfig(
+        port=0,
+        start_predictor=True,
+        worker_cpus=args.worker_cpus,
+        predictor_cpus=args.predictor_cpus,
+        scheduler_cpus=args.scheduler_cpus,
+    )
     cfg.worker_cpu_set()
     cfg.predictor_cpu_set()
+    cfg.scheduler_cpu_set()
     return cfg
 
 
@@ -144,7 +153,10 @@ def report(res: dict[str, Any]) -> str:
         for prio, rounds in by_priority.items()
     ]
     parts.append(f"load average (1 min) before / after: {res['load_average'][0]:.1f} / {res['load_average'][1]:.1f}")
-    parts.append(f"CPUs: workers {res.get('worker_cpus') or 'any'}, predictor {res.get('predictor_cpus') or 'any'}")
+    parts.append(
+        f"CPUs: workers {res.get('worker_cpus') or 'any'}, predictor {res.get('predictor_cpus') or 'any'}, "
+        f"scheduler {res.get('scheduler_cpus') or 'any'}"
+    )
     return "\n\n".join(parts)
 
 
@@ -212,6 +224,9 @@ def main() -> int:
     )
     parser.add_argument("--worker-cpus", help="pin the workers to these CPUs (0,2-3), in every mode; default: not")
     parser.add_argument("--predictor-cpus", help="pin the predictor to these CPUs; default: not")
+    parser.add_argument(
+        "--scheduler-cpus", help="pin this process (the scheduler) to these CPUs once the workers run; default: not"
+    )
     args = parser.parse_args()
     if not set(args.priorities.split(",")) <= {"idle", "nice"}:
         parser.error(f"--priorities: each must be idle or nice, got {args.priorities!r}")

@@ -4,6 +4,7 @@ use, as it has when it runs as its own container."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -32,13 +33,41 @@ def parse_cpus(spec: str | int | None, name: str) -> frozenset[int] | None:
         if first < 0 or last < first:
             raise ValueError(f"{name}: not a CPU range: {part.strip()!r} in {text!r}")
         cpus.update(range(first, last + 1))
-    allowed = os.sched_getaffinity(0)
+    allowed = start_cpus()
     if not cpus <= allowed:
         raise ValueError(
             f"{name}: CPU {format_cpus(cpus - allowed)} not available to this process "
             f"(it may use {format_cpus(allowed)})"
         )
     return frozenset(cpus)
+
+
+_START_CPUS: frozenset[int] | None = None
+
+
+def start_cpus() -> frozenset[int]:
+    """The CPUs this process could use when it first asked (its cgroup or `taskset` set).
+    NOTE: remembered, because `sluice serve --scheduler-cpus` narrows this process's own set
+    after starting the children, and a worker restarted later may still be pinned to the rest."""
+    global _START_CPUS
+    if _START_CPUS is None:
+        _START_CPUS = frozenset(os.sched_getaffinity(0))
+    return _START_CPUS
+
+
+def pin_self(cpus: frozenset[int] | None) -> None:
+    """Pins every thread of this process (and so the threads they start later) to `cpus`;
+    nothing for None.
+    NOTE: Linux's sched_setaffinity(0) moves only the calling thread; gRPC and the event loop's
+    executor may already run threads of their own, so each task of /proc/self/task is moved."""
+    if not cpus:
+        return
+    start_cpus()
+    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+    for tid in tasks:
+        # NOTE: a thread that ended since the listing has nothing left to pin
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def format_cpus(cpus: set[int] | frozenset[int]) -> str:

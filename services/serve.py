@@ -12,8 +12,9 @@
         its stderr, and started again after a backoff (doubling up to restart_max_s) on the
         same port, so the scheduler's reconnect finds it; when that port is taken it starts
         on a new one and the scheduler is told the new address.
-        --worker-cpus / --predictor-cpus pin the workers and the predictor to CPU sets
-        (services/affinity.py): the predictor on cores of its own, as its own container has.
+        --worker-cpus / --predictor-cpus / --scheduler-cpus pin the workers, the predictor and
+        this process to CPU sets (services/affinity.py): the predictor on cores of its own, as
+        its own container has.
     sluice serve --prefill-workers N --decode-workers M [...]
         disaggregated: N `sluice worker --role prefill` and M `--role decode` processes; the
         scheduler builds a DisaggCluster from the roles they announce and drives the KV
@@ -57,7 +58,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from scheduler_service.live.config import LiveConfig
-from services.affinity import parse_cpus
+from services.affinity import parse_cpus, pin_self
 from sluice.common.config import add_config_arguments, config_from, opt, subset
 from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted, split_keys
 
@@ -137,12 +138,18 @@ class ServeConfig(SchedulerServiceConfig):
         None, "CPUs the workers are pinned to, like 0-3 or 0,2-3 (all share the set); none: not pinned"
     )
     predictor_cpus: str | None = opt(None, "CPUs the predictor process is pinned to, like 4 or 4-5; none: not pinned")
+    scheduler_cpus: str | None = opt(
+        None, "CPUs this process (the scheduler) is pinned to once its children started; none: not pinned"
+    )
 
     def worker_cpu_set(self) -> frozenset[int] | None:
         return parse_cpus(self.worker_cpus, "worker_cpus")
 
     def predictor_cpu_set(self) -> frozenset[int] | None:
         return parse_cpus(self.predictor_cpus, "predictor_cpus")
+
+    def scheduler_cpu_set(self) -> frozenset[int] | None:
+        return parse_cpus(self.scheduler_cpus, "scheduler_cpus")
 
 
 # ---------------------------------------------------------------- worker processes
@@ -537,6 +544,7 @@ async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
         if predictor is not None:
             cfg.predictor = predictor.address
             print(f"sluice length predictor at {predictor.address}", flush=True)
+        pin_self(cfg.scheduler_cpu_set())
         server = await start_scheduler(cfg, [w.address for w in supervisor.workers])
         supervisor.on_address = server.live.readdress
         supervisor.start()
@@ -722,6 +730,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         worker_roles(cfg)
         cfg.worker_cpu_set()  # a bad CPU list fails here, before anything starts
         cfg.predictor_cpu_set()
+        cfg.scheduler_cpu_set()
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     demo = DemoOptions(num_requests=args.demo_requests) if args.demo else None

@@ -136,3 +136,36 @@ async def test_pinning_keeps_the_niceness_it_is_given_with() -> None:
         assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0) + 5
     finally:
         await stop_workers([child])
+
+
+@needs_two_cpus
+def test_pinning_this_process_moves_threads_already_running_and_keeps_the_start_set() -> None:
+    import threading
+
+    from services.affinity import pin_self
+
+    a, b = ALLOWED[0], ALLOWED[1]
+    before = os.sched_getaffinity(0)
+    started, stop = threading.Event(), threading.Event()
+    thread_id: list[int] = []
+
+    def run() -> None:
+        thread_id.append(threading.get_native_id())
+        started.set()
+        stop.wait(10)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    started.wait(5)
+    try:
+        pin_self(frozenset({a}))
+        # NOTE: the thread existed before the call: sched_setaffinity(0) alone would leave it on every CPU
+        assert os.sched_getaffinity(thread_id[0]) == {a}
+        assert os.sched_getaffinity(0) == {a}
+        # a worker restarted after the scheduler narrowed itself may still go to the other CPU
+        assert parse_cpus(str(b), "worker_cpus") == {b}
+    finally:
+        stop.set()
+        worker.join()
+        os.sched_setaffinity(0, before)
+    assert os.sched_getaffinity(0) == before
