@@ -2,11 +2,15 @@
 the predictor, measured side by side in one run (target: at most 2% added to TTFT p50).
 
     2 tiny-llama CPU workers (as `sluice serve` starts them), kept for the whole run
-    each round, three modes in a rotating order (drift on the shared machine hits each alike):
+    each round, three modes (four with --unlinked) in a rotating order (drift on the shared machine hits each alike):
         without     a fresh scheduler without --predictor
         uncached    a fresh scheduler with a freshly started predictor (no Redis, empty
                     in-process cache and history: every prompt is new to it, as live traffic is)
         cached      a fresh scheduler with that same predictor again: every prompt is a cache hit
+        unlinked    (--unlinked, after `without`) a fresh scheduler without --predictor, while this
+                    process sends the predictor the same prompts, each led by a token of the round,
+                    at their arrivals: the predictor's work (and the RPCs) without the scheduler
+                    using an answer, which separates the two costs
     each replays the demo's 40 requests of azure-conv (lengths scaled) against itself
     -> per mode: TTFT p50 and mean (median over rounds), answers applied in time, the
        predictor's CPU seconds; and the paired per-round ratio against `without`
@@ -17,10 +21,9 @@ niceness `sluice serve` gives it), the extra RPCs on the scheduler's event loop,
 requests when answers come.
 
 With --worker-cpus / --predictor-cpus (as `sluice serve` takes them) the predictor runs on cores
-the workers do not use, as when it is its own container: what remains is its RPCs and re-filing
-on the scheduler's loop. The pinning holds for all three modes, `without` included (the workers
-are pinned for the whole run), so the comparison stays side by side; --scheduler-cpus pins this
-process (the scheduler) once the workers run.
+the workers do not use, as when it is its own container. The pinning holds for every mode,
+`without` included (the workers are pinned for the whole run), so the comparison stays side by
+side; --scheduler-cpus pins this process (the scheduler) once the workers run.
 
     python benchmarks/predictor_ttft.py [--rounds 4] [--requests 40] [--priorities idle,nice] [--json out.json]
         [--worker-cpus 0 --predictor-cpus 1 --scheduler-cpus 0]
@@ -45,6 +48,7 @@ from services.serve import (
     DemoOptions,
     ServeConfig,
     WorkerProcess,
+    demo_requests,
     run_demo,
     start_predictor,
     start_scheduler,
@@ -54,6 +58,10 @@ from services.serve import (
 from sluice.common.predictor_client import PredictorClient
 
 MODES = ("without", "uncached", "cached")
+# NOTE: `unlinked` (--unlinked) separates the predictor's own cost from the scheduler's use of its
+# answers: the same Predict calls, from this process at each request's arrival, on prompts new to
+# the predictor, but the scheduler never hears of them; it runs right after `without`.
+UNLINKED_MODES = ("without", "unlinked", "uncached", "cached")
 SETTLE_S = 2.0
 
 
@@ -64,16 +72,44 @@ def cpu_seconds(process: WorkerProcess) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def one_run(cfg: ServeConfig, workers: list, demo: DemoOptions, predictor: WorkerProcess | None) -> dict:
-    run_cfg = replace(cfg, predictor=predictor.address if predictor else None, port=0)
+async def side_predictions(address: str, cfg: ServeConfig, demo: DemoOptions, salt: int) -> int:
+    """`unlinked`: a Predict for each demo request at its arrival, its prompt led by a token of
+    its own (`salt`), so every one is a cache miss as in `uncached`; the answers go nowhere.
+    Returns how many were answered."""
+    requests = demo_requests(demo, cfg.model)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    answered = 0
+    async with PredictorClient(address) as client:
+
+        async def one(i: int, r: Any) -> None:
+            nonlocal answered
+            await asyncio.sleep(max(0.0, start + r.arrival_s - loop.time()))
+            pred = await client.predict(f"side-{salt}-{i}", [salt, *r.prompt_ids], cfg.model, r.max_tokens, 1.0)
+            answered += pred is not None
+
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+    return answered
+
+
+async def one_run(
+    cfg: ServeConfig, workers: list, demo: DemoOptions, predictor: WorkerProcess | None, side_salt: int | None = None
+) -> dict:
+    """One replay of the demo; with `side_salt` the predictor answers alongside but unlinked."""
+    linked = predictor if side_salt is None else None
+    run_cfg = replace(cfg, predictor=linked.address if linked else None, port=0)
     server = await start_scheduler(run_cfg, [w.address for w in workers])
     cpu0 = cpu_seconds(predictor) if predictor else 0.0
     try:
+        side = None
+        if predictor is not None and side_salt is not None:
+            side = asyncio.ensure_future(side_predictions(predictor.address, cfg, demo, side_salt))
         await run_demo(server, run_cfg, demo)
+        side_answered = await side if side is not None else 0
         summary = server.live.metrics.summary()
         ttfts = list(server.live.metrics.ttft)
         link = server.live.predictor
-        applied = link.num_applied if link is not None else 0
+        applied = link.num_applied if link is not None else side_answered
     finally:
         await server.stop(grace_s=1.0, drain_s=0.0)
     return {
@@ -85,8 +121,10 @@ async def one_run(cfg: ServeConfig, workers: list, demo: DemoOptions, predictor:
     }
 
 
-async def one_round(cfg: ServeConfig, workers: list, demo: DemoOptions, first: int) -> dict[str, dict]:
-    """The three modes, starting at `first` (0 or 1) in MODES, so `uncached` (which fills the
+async def one_round(
+    cfg: ServeConfig, workers: list, demo: DemoOptions, first: int, modes: tuple[str, ...] = MODES, salt: int = 1000
+) -> dict[str, dict]:
+    """The modes, starting at `first` (0 or 1) in `modes`, so `uncached` (which fills the
     predictor's cache) always runs just before `cached`."""
     predictor = await start_predictor(replace(cfg, redis_url=None))
     assert predictor is not None
@@ -97,8 +135,9 @@ async def one_round(cfg: ServeConfig, workers: list, demo: DemoOptions, first: i
         async with PredictorClient(predictor.address) as client:
             await client.predict("warm-up", "a warm-up prompt that no demo request carries", timeout_s=60.0)
         await asyncio.sleep(SETTLE_S)
-        for mode in MODES[first:] + MODES[:first]:
-            out[mode] = await one_run(cfg, workers, demo, None if mode == "without" else predictor)
+        for mode in modes[first:] + modes[:first]:
+            side_salt = salt if mode == "unlinked" else None
+            out[mode] = await one_run(cfg, workers, demo, None if mode == "without" else predictor, side_salt)
     finally:
         await stop_workers([predictor])
     return out
@@ -118,7 +157,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             # beside the other on the same workers, not in separate runs minutes apart.
             prio = priorities[i % len(priorities)]
             modes = await one_round(
-                replace(cfg, predictor_idle=prio == "idle"), workers, demo, first=(i // len(priorities)) % 2
+                replace(cfg, predictor_idle=prio == "idle"),
+                workers,
+                demo,
+                first=(i // len(priorities)) % 2,
+                modes=UNLINKED_MODES if args.unlinked else MODES,
+                salt=2000 + i,
             )
             rounds.append({"priority": prio, **modes})
     finally:
@@ -160,14 +204,18 @@ def report(res: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+def modes_of(rounds: list[dict[str, Any]]) -> list[str]:
+    return [m for m in UNLINKED_MODES if m in rounds[0]]
+
+
 def report_rounds(rounds: list[dict[str, Any]], n: int) -> str:
     lines = [
         "| mode | TTFT p50 ms (median of rounds) | TTFT mean ms | paired p50 ratio vs without (median) | "
-        "answers applied per round | predictor CPU s per round |",
+        "answers applied (unlinked: answered) per round | predictor CPU s per round |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     added = {}
-    for mode in MODES:
+    for mode in modes_of(rounds):
         p50 = statistics.median(r[mode]["p50"] for r in rounds)
         mean = statistics.median(r[mode]["mean"] for r in rounds)
         ratio = statistics.median(r[mode]["p50"] / r["without"]["p50"] for r in rounds)
@@ -178,10 +226,12 @@ def report_rounds(rounds: list[dict[str, Any]], n: int) -> str:
             f"| {mode} | {p50 * 1e3:.1f} | {mean * 1e3:.1f} | {ratio:.3f} | {applied:.0f} of {n} | {cpu:.2f} |"
         )
     lines += ["", pooled(rounds), ""]
+    if "unlinked" in added:
+        lines.append(f"\nTTFT p50 with the predictor busy but unlinked: {added['unlinked']:+.1%} (its work alone)")
     for mode in ("uncached", "cached"):
         verdict = "met" if added[mode] <= 0.02 else "missed"
         lines.append(f"\nTTFT p50 added by the predictor, {mode}: {added[mode]:+.1%} (target <= 2%: {verdict})")
-    per_round = {m: [round(r[m]["p50"] * 1e3, 1) for r in rounds] for m in MODES}
+    per_round = {m: [round(r[m]["p50"] * 1e3, 1) for r in rounds] for m in modes_of(rounds)}
     lines.append(f"per round TTFT p50 ms: {per_round}")
     return "\n".join(lines)
 
@@ -191,14 +241,14 @@ def pooled(rounds: list[dict[str, Any]], resamples: int = 2000) -> str:
     95% bootstrap interval (requests resampled within each round), i.e. how finely this run can
     resolve an added share of TTFT at all."""
     rng = np.random.default_rng(0)
-    by_mode = {m: [np.asarray(r[m]["ttfts_s"]) for r in rounds] for m in MODES}
+    by_mode = {m: [np.asarray(r[m]["ttfts_s"]) for r in rounds] for m in modes_of(rounds)}
 
     def median_of(samples: list[np.ndarray]) -> float:
         return float(np.median(np.concatenate(samples)))
 
     out = ["| mode | requests | pooled TTFT p50 ms | ratio vs without | 95% interval |", "|---|---:|---:|---:|---|"]
     base = median_of(by_mode["without"])
-    for mode in MODES:
+    for mode in by_mode:
         ratios = []
         for _ in range(resamples):
             mine = [rng.choice(x, x.size) for x in by_mode[mode]]
@@ -221,6 +271,11 @@ def main() -> int:
         default="nice",
         help="the predictor's CPU priority, comma-separated to alternate rounds: nice (its niceness alone, the "
         "default of sluice serve) and/or idle (SCHED_IDLE as well, --predictor-idle)",
+    )
+    parser.add_argument(
+        "--unlinked",
+        action="store_true",
+        help="a fourth mode: the predictor answers the same (uncached) prompts alongside, the scheduler unaware",
     )
     parser.add_argument("--worker-cpus", help="pin the workers to these CPUs (0,2-3), in every mode; default: not")
     parser.add_argument("--predictor-cpus", help="pin the predictor to these CPUs; default: not")
