@@ -43,6 +43,7 @@ def parse_cpus(spec: str | int | None, name: str) -> frozenset[int] | None:
 
 
 _START_CPUS: frozenset[int] | None = None
+_PINNED_SELF = False
 
 
 def start_cpus() -> frozenset[int]:
@@ -60,14 +61,26 @@ def pin_self(cpus: frozenset[int] | None) -> None:
     nothing for None.
     NOTE: Linux's sched_setaffinity(0) moves only the calling thread; gRPC and the event loop's
     executor may already run threads of their own, so each task of /proc/self/task is moved."""
+    global _PINNED_SELF
     if not cpus:
         return
     start_cpus()
+    _PINNED_SELF = True
     tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
     for tid in tasks:
         # NOTE: a thread that ended since the listing has nothing left to pin
         with contextlib.suppress(ProcessLookupError):
             os.sched_setaffinity(int(tid), cpus)
+
+
+def child_cpus(cpus: frozenset[int] | None) -> frozenset[int] | None:
+    """The CPUs to pin a new child to: its own set, else (once this process has narrowed itself
+    with pin_self) the set this process started with.
+    NOTE: a child inherits its parent's affinity; without this, a worker restarted after
+    `--scheduler-cpus` took effect would be confined to the scheduler's cores."""
+    if cpus:
+        return cpus
+    return start_cpus() if _PINNED_SELF else None
 
 
 def format_cpus(cpus: set[int] | frozenset[int]) -> str:

@@ -58,7 +58,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from scheduler_service.live.config import LiveConfig
-from services.affinity import parse_cpus, pin_self
+from services.affinity import child_cpus, parse_cpus, pin_self
 from sluice.common.config import add_config_arguments, config_from, opt, subset
 from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted, split_keys
 
@@ -132,8 +132,8 @@ class ServeConfig(SchedulerServiceConfig):
         "and the scheduler leave free, so fewer of its answers arrive while they matter",
     )
     # NOTE: off by default. Pinned apart, the predictor's encoder cannot take a core from a worker's
-    # prefill, as when it runs as its own container (docker-compose, Kubernetes); the scheduler (this
-    # process) stays where it was started.
+    # prefill, as when it runs as its own container (docker-compose, Kubernetes); scheduler_cpus
+    # places this process too (measured: docs/RESULTS.md, "Live TTFT with the predictor").
     worker_cpus: str | None = opt(
         None, "CPUs the workers are pinned to, like 0-3 or 0,2-3 (all share the set); none: not pinned"
     )
@@ -267,7 +267,7 @@ async def spawn_process(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=env,
-        preexec_fn=child_setup(niceness, idle, cpus),
+        preexec_fn=child_setup(niceness, idle, child_cpus(cpus)),
     )
     child = WorkerProcess(worker_id, proc)
     child._drains.append(asyncio.create_task(_drain_stderr(child)))

@@ -169,3 +169,20 @@ def test_pinning_this_process_moves_threads_already_running_and_keeps_the_start_
         worker.join()
         os.sched_setaffinity(0, before)
     assert os.sched_getaffinity(0) == before
+
+
+@needs_two_cpus
+async def test_a_child_started_after_the_scheduler_pinned_itself_gets_the_start_set_back() -> None:
+    from services.affinity import pin_self, start_cpus
+
+    before = os.sched_getaffinity(0)
+    pin_self(frozenset({ALLOWED[0]}))
+    try:
+        # a worker restarted with no CPU set of its own must not inherit the scheduler's one core
+        child = await spawn_process(SLEEPER, dict(os.environ), 0)
+        try:
+            assert os.sched_getaffinity(child.proc.pid) == start_cpus() == frozenset(ALLOWED)
+        finally:
+            await stop_workers([child])
+    finally:
+        os.sched_setaffinity(0, before)
