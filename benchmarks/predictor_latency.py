@@ -8,7 +8,8 @@ runs on the calling thread) is what one dedicated core would take. Both are reco
 load average beside them, for:
 - the served path (`LengthPredictor.predict`: tokenize, encode, head, search, blend) with the
   model directory's encoder at fp32 and int8;
-- the encoder alone with all six MiniLM layers and with the model's layers, fp32 and int8.
+- the encoder alone with all six MiniLM layers and with the model's layers, fp32 and int8;
+- two parts of the served int8 path: tokenizing, and everything after the embedding.
 Every variant runs on the same prompts, interleaved prompt by prompt (the machine's speed
 drifts, so side by side is the only fair comparison), two rounds.
 """
@@ -84,6 +85,14 @@ def main() -> None:
     calls: dict[str, Callable[[str], Any]] = {
         name: (lambda text, pr=pr: pr.predict([text], "chatgpt-sharegpt")) for name, pr in predictors.items()
     }
+    # Where the served path's time goes besides the encoder: tokenizing, and everything after
+    # the embedding (head, history search, blend, bin vote), on the int8 predictor.
+    served = predictors["served/int8"]
+    embedded = {text: served.embed([text]) for text in prompts}
+    calls["served/int8 part: tokenize"] = lambda text: served.encoder.tokenizer.batch([text])
+    calls["served/int8 part: after encoder"] = lambda text: served.predict_embedded(
+        embedded[text], [text], ["chatgpt-sharegpt"]
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for n in sorted({FULL_LAYERS, layers}):
             for precision in ("fp32", "int8"):
@@ -94,7 +103,7 @@ def main() -> None:
     result["load_average_after"] = os.getloadavg()
     for name, r in result["latency"].items():
         print(
-            f"{name:>24}: wall p50 {r['wall_p50_ms']:.2f} ms p99 {r['wall_p99_ms']:.2f} ms | "
+            f"{name:>31}: wall p50 {r['wall_p50_ms']:.2f} ms p99 {r['wall_p99_ms']:.2f} ms | "
             f"cpu p50 {r['cpu_p50_ms']:.2f} ms p99 {r['cpu_p99_ms']:.2f} ms"
         )
     print("load average", result["load_average_before"], result["load_average_after"])
