@@ -2,15 +2,17 @@
 the predictor, measured side by side in one run (target: at most 2% added to TTFT p50).
 
     2 tiny-llama CPU workers (as `sluice serve` starts them), kept for the whole run
-    each round, three modes (four with --unlinked) in a rotating order (drift on the shared machine hits each alike):
+    each round, three modes (four with --unlinked) in a rotating order (drift on the shared
+    machine hits each alike):
         without     a fresh scheduler without --predictor
         uncached    a fresh scheduler with a freshly started predictor (no Redis, empty
                     in-process cache and history: every prompt is new to it, as live traffic is)
         cached      a fresh scheduler with that same predictor again: every prompt is a cache hit
-        unlinked    (--unlinked, after `without`) a fresh scheduler without --predictor, while this
-                    process sends the predictor the same prompts, each led by a token of the round,
-                    at their arrivals: the predictor's work (and the RPCs) without the scheduler
-                    using an answer, which separates the two costs
+        unlinked    (--unlinked; between `without` and `uncached` in the rotation) a fresh
+                    scheduler without --predictor, while this process sends the predictor the
+                    same prompts, each led by a token of the round, at their arrivals: the
+                    predictor's work (and the RPCs) without the scheduler using an answer, which
+                    separates the two costs
     each replays the demo's 40 requests of azure-conv (lengths scaled) against itself
     -> per mode: TTFT p50 and mean (median over rounds), answers applied in time, the
        predictor's CPU seconds; and the paired per-round ratio against `without`
@@ -60,7 +62,8 @@ from sluice.common.predictor_client import PredictorClient
 MODES = ("without", "uncached", "cached")
 # NOTE: `unlinked` (--unlinked) separates the predictor's own cost from the scheduler's use of its
 # answers: the same Predict calls, from this process at each request's arrival, on prompts new to
-# the predictor, but the scheduler never hears of them; it runs right after `without`.
+# the predictor, but the scheduler never hears of them; it sits between `without` and `uncached`
+# in the rotation (uncached must still run just before cached).
 UNLINKED_MODES = ("without", "unlinked", "uncached", "cached")
 SETTLE_S = 2.0
 
