@@ -73,12 +73,7 @@ class FinishedFilter:
             for rid in plan.num_scheduled_tokens
             if (token := sampled.get(rid)) is not None and self._finished(rid, token, entries)
         ]
-        if not drop:
-            return plan
-        self.num_dropped += len(drop)
-        gone = set(drop)
-        kept = {rid: n for rid, n in plan.num_scheduled_tokens.items() if rid not in gone}
-        return replace(plan, num_scheduled_tokens=kept, sample_ids=plan.sample_ids - gone)
+        return self._without(plan, drop)
 
     def _finished(self, rid: str, token: int, entries: Mapping[str, _Entry]) -> bool:
         known = self._requests.get(rid)

@@ -197,15 +197,20 @@ class DisaggCluster(Cluster):
         self._dispatch(now)
         return True
 
-    def kv_lost(self, worker: int, now: float) -> None:
-        """The worker's KV is gone or unreliable (a failed step; live: it was warmed up again,
-        which rebuilds its cache empty) while it stays up: the requests it prefilled and still
-        holds for a transfer are recomputed on the decode side."""
+    def _recompute_parked_on(self, worker: int, now: float) -> None:
+        """Requests parked on `worker` for a transfer lose their KV there: freed, and recomputed
+        on the decode side."""
         for rid, handoff in list(self._parked.items()):
             if handoff.src == worker:
                 del self._parked[rid]
                 self.schedulers[worker].kv.free(rid)
                 self._recompute(handoff.request, None, now)
+
+    def kv_lost(self, worker: int, now: float) -> None:
+        """The worker's KV is gone or unreliable (a failed step; live: it was warmed up again,
+        which rebuilds its cache empty) while it stays up: the requests it prefilled and still
+        holds for a transfer are recomputed on the decode side."""
+        self._recompute_parked_on(worker, now)
         for tid, handoff in list(self._inflight.items()):
             transfer = handoff.transfer
             assert transfer is not None
@@ -220,11 +225,7 @@ class DisaggCluster(Cluster):
         if self._role(worker) in (DECODE, MIXED):
             for request in moved:
                 self._decode_router.on_request_left(request, worker, now)
-        for rid, handoff in list(self._parked.items()):
-            if handoff.src == worker:  # its KV died with the worker
-                del self._parked[rid]
-                self.schedulers[worker].kv.free(rid)
-                self._recompute(handoff.request, None, now)
+        self._recompute_parked_on(worker, now)  # their KV died with the worker
         for tid, handoff in list(self._inflight.items()):
             transfer = handoff.transfer
             assert transfer is not None
