@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 PYTHON ?= python3
+# vLLM's CPU build where no NVIDIA driver answers, its CUDA build where one does.
+VLLM_EXTRA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo vllm-cuda || echo vllm)
 
 .PHONY: demo sim test lint protos install images
 
@@ -12,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[worker,predictor,dev]"
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA)]"
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 
 install: $(VENV)/.installed
