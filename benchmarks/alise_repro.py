@@ -1,6 +1,6 @@
 """Reproduces ALISE's evaluation (seed 003, section 4) in the simulator, plus FastServe.
 
-Parts (each writes docs/alise_<part>.json and, where it has one, docs/alise_<part>.png,
+Parts (each writes docs/results/data/alise_<part>.json and, where it has one, docs/results/data/alise_<part>.png,
 and prints markdown tables):
 - latency:  normalized latency vs rate (its Figure 6) for alise (noisy-oracle lengths,
             relative error `--length-error`), oracle-alise (true lengths), vllm, orca;
@@ -410,7 +410,7 @@ def main() -> None:
     )
     parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--out", default="docs/results/data")
     args = parser.parse_args()
     everything = ["latency", "memory", "memory_oracle", "aging", "oracle", "capacity", "capacity_extra", "traces"]
     parts = everything if args.part == "all" else [args.part]

@@ -1,6 +1,6 @@
 """Length predictor: does training the encoder end to end beat the frozen encoder?
 
-    python benchmarks/predictor_finetune.py [--ranks 0,16] [--epochs 8] [--json docs/predictor_finetune.json]
+    python benchmarks/predictor_finetune.py [--ranks 0,16] [--epochs 8] [--json docs/results/data/predictor_finetune.json]
 
 The served predictor keeps MiniLM frozen and trains only its head; the measured accuracy gap
 to ALISE (docs/RESULTS.md, "Length predictor") left one lever untried: an encoder trained on
