@@ -12,7 +12,8 @@ same policies on the real traces with the accelgen SLO profile. Writes a JSON of
 markdown tables and PNGs.
 
     python benchmarks/accelgen_repro.py --num-requests 300 --rates 0.25 0.5 1 2 8 \\
-        --trace-rate 1.0 --trace-requests 300 --out docs/results/data/accelgen --json docs/results/data/accelgen_results.json
+        --trace-rate 1.0 --trace-requests 300 --out docs/results/data/accelgen \\
+        --json docs/results/data/accelgen_results.json
 """
 
 from __future__ import annotations

@@ -251,8 +251,8 @@ def part_oracle(args: argparse.Namespace) -> list[dict]:
 
 
 def part_aging(args: argparse.Namespace) -> list[dict]:
-    """ALISE's age threshold vs Defer on ShareGPT, OPT-13B/V100 at 2x vLLM's peak (section 3 of
-    docs/RESULTS.md, ALISE section): where aging, not swapping, decides the memory managers' order."""
+    """ALISE's age threshold vs Defer on ShareGPT, OPT-13B/V100 at 2x vLLM's peak (docs/results/alise_fastserve.md,
+    "Memory managers"): where aging, not swapping, decides the memory managers' order."""
     model, hw, wl = "opt-13b", "v100-32g", "econoserve-sharegpt"
     rate = 1.03  # 2 x vLLM's 400-request burst throughput here (0.517 req/s), as in the latency part
     specs = ["alise", "alise:age_threshold_s=60", "alise:age_threshold_s=200", "alise:age_threshold_s=1e9"]

@@ -1,6 +1,6 @@
 """Calibration of the cost models against each other and against published points.
 
-Prints markdown tables (the cost-model section of docs/RESULTS.md) and draws
+Prints markdown tables (docs/results/costmodel_calibration.md) and draws
 docs/results/data/costmodel_calibration.png:
 
 1. non-attention forward time vs the measured orientation table of profiles/README.md

@@ -1,5 +1,5 @@
 """Disaggregated prefill and decode vs colocated serving, in the simulator (the "Disaggregated
-prefill and decode" section of docs/RESULTS.md comes from this script).
+prefill and decode" page, docs/results/disaggregation.md, comes from this script).
 
     python benchmarks/disagg.py --out docs/results/data/disagg            (JSON + Markdown table + PNG)
 

@@ -1,5 +1,5 @@
 """Long contexts and shared prefixes, measured side by side in the simulator (the
-"Long contexts and prefix caching" section of docs/RESULTS.md comes from this script).
+"Long contexts and prefix caching" page, docs/results/long_context.md, comes from this script).
 
     python benchmarks/long_context.py --out docs/results/data/long_context        (JSON + PNG + tables)
 
