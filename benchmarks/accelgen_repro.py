@@ -12,7 +12,8 @@ same policies on the real traces with the accelgen SLO profile. Writes a JSON of
 markdown tables and PNGs.
 
     python benchmarks/accelgen_repro.py --num-requests 300 --rates 0.25 0.5 1 2 8 \\
-        --trace-rate 1.0 --trace-requests 300 --out docs/accelgen --json benchmarks/accelgen_results.json
+        --trace-rate 1.0 --trace-requests 300 --out docs/results/data/accelgen \\
+        --json docs/results/data/accelgen_results.json
 """
 
 from __future__ import annotations
@@ -215,9 +216,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--skip-traces", action="store_true")
-    parser.add_argument("--out", default="docs/accelgen", help="prefix of the PNGs")
+    parser.add_argument("--out", default="docs/results/data/accelgen", help="prefix of the PNGs")
     parser.add_argument(
-        "--json", default="benchmarks/accelgen_results.json", help="every run, with its markdown beside"
+        "--json", default="docs/results/data/accelgen_results.json", help="every run, with its markdown beside"
     )
     args = parser.parse_args()
     jobs = [

@@ -1,6 +1,6 @@
 """Reproduces ALISE's evaluation (seed 003, section 4) in the simulator, plus FastServe.
 
-Parts (each writes docs/alise_<part>.json and, where it has one, docs/alise_<part>.png,
+Parts (each writes docs/results/data/alise_<part>.json and, where it has one, docs/results/data/alise_<part>.png,
 and prints markdown tables):
 - latency:  normalized latency vs rate (its Figure 6) for alise (noisy-oracle lengths,
             relative error `--length-error`), oracle-alise (true lengths), vllm, orca;
@@ -251,8 +251,8 @@ def part_oracle(args: argparse.Namespace) -> list[dict]:
 
 
 def part_aging(args: argparse.Namespace) -> list[dict]:
-    """ALISE's age threshold vs Defer on ShareGPT, OPT-13B/V100 at 2x vLLM's peak (section 3 of
-    docs/RESULTS.md, ALISE section): where aging, not swapping, decides the memory managers' order."""
+    """ALISE's age threshold vs Defer on ShareGPT, OPT-13B/V100 at 2x vLLM's peak (docs/results/alise_fastserve.md,
+    "Memory managers"): where aging, not swapping, decides the memory managers' order."""
     model, hw, wl = "opt-13b", "v100-32g", "econoserve-sharegpt"
     rate = 1.03  # 2 x vLLM's 400-request burst throughput here (0.517 req/s), as in the latency part
     specs = ["alise", "alise:age_threshold_s=60", "alise:age_threshold_s=200", "alise:age_threshold_s=1e9"]
@@ -410,7 +410,7 @@ def main() -> None:
     )
     parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--out", default="docs/results/data")
     args = parser.parse_args()
     everything = ["latency", "memory", "memory_oracle", "aging", "oracle", "capacity", "capacity_extra", "traces"]
     parts = everything if args.part == "all" else [args.part]

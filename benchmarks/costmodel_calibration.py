@@ -1,7 +1,7 @@
 """Calibration of the cost models against each other and against published points.
 
-Prints markdown tables (the cost-model section of docs/RESULTS.md) and draws
-docs/costmodel_calibration.png:
+Prints markdown tables (docs/results/costmodel_calibration.md) and draws
+docs/results/data/costmodel_calibration.png:
 
 1. non-attention forward time vs the measured orientation table of profiles/README.md
    (Vidur mlp.csv sums) for several model / GPU / TP combinations;
@@ -10,7 +10,7 @@ docs/costmodel_calibration.png:
 4. AccelGen (section 4.2): OPT-13B on A100 saturates near forward size 768;
 5. Sarathi-Serve Fig. 3: decode throughput grows with batch size, prefill saturates at once.
 
-Usage: python benchmarks/costmodel_calibration.py [--plot docs/costmodel_calibration.png]
+Usage: python benchmarks/costmodel_calibration.py [--plot docs/results/data/costmodel_calibration.png]
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def plot(path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plot", type=Path, default=Path("docs/costmodel_calibration.png"))
+    parser.add_argument("--plot", type=Path, default=Path("docs/results/data/costmodel_calibration.png"))
     args = parser.parse_args()
     non_attention_table()
     attention_table()

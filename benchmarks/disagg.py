@@ -1,7 +1,7 @@
 """Disaggregated prefill and decode vs colocated serving, in the simulator (the "Disaggregated
-prefill and decode" section of docs/RESULTS.md comes from this script).
+prefill and decode" page, docs/results/disaggregation.md, comes from this script).
 
-    python benchmarks/disagg.py --out docs/disagg            (JSON + Markdown table + PNG)
+    python benchmarks/disagg.py --out docs/results/data/disagg            (JSON + Markdown table + PNG)
 
 For each trace, at the same total GPU count G (default 4):
 
@@ -368,7 +368,7 @@ def main() -> None:
     parser.add_argument("--max-probes", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
-    parser.add_argument("--out", type=Path, default=Path("docs/disagg"))
+    parser.add_argument("--out", type=Path, default=Path("docs/results/data/disagg"))
     parser.add_argument("--from-json", action="store_true", help="only redraw the tables and plot from OUT.json")
     parser.add_argument("--resize", action="store_true", help="with --from-json: run the sizing phase again")
     args = parser.parse_args()

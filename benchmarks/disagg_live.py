@@ -1,6 +1,6 @@
 """Disaggregated prefill and decode live: the scheduler driving KV transfers between worker
 processes, against colocated serving on the same number of workers and the same requests
-(the "Live: the scheduler driving transfers" part of docs/RESULTS.md comes from this script).
+(the "Live: the scheduler driving transfers" part of docs/results/disaggregation.md comes from this script).
 
     python benchmarks/disagg_live.py --json disagg_live.json
 

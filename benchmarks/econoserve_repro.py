@@ -282,7 +282,7 @@ def main() -> None:
     # requests miss them even when alone: 90% attainment is out of reach at any rate.
     parser.add_argument("--real-rule", default="attainment:0.5", help="capacity rule for --part real")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs/econoserve", help="prefix of the PNGs")
+    parser.add_argument("--out", default="docs/results/data/econoserve", help="prefix of the PNGs")
     parser.add_argument("--data", default="econoserve-data/econoserve", help="prefix of the JSON and markdown tables")
     parser.add_argument("--traces", nargs="*", help="synthetic traces to (re)run; the others are kept from --data")
     args = parser.parse_args()

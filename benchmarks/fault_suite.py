@@ -1,5 +1,5 @@
-"""The live service under faults and attack, at full size: the figures of docs/RESULTS.md
-("Reliability and security"). Every scenario runs real gRPC servers on loopback (in this
+"""The live service under faults and attack, at full size: the figures of
+docs/results/live_reliability.md. Every scenario runs real gRPC servers on loopback (in this
 process, or `sluice worker --engine echo` processes that are SIGKILLed); the same scenario code
 runs small in tests/faults/.
 

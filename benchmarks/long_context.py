@@ -1,7 +1,7 @@
 """Long contexts and shared prefixes, measured side by side in the simulator (the
-"Long contexts and prefix caching" section of docs/RESULTS.md comes from this script).
+"Long contexts and prefix caching" page, docs/results/long_context.md, comes from this script).
 
-    python benchmarks/long_context.py --out docs/long_context        (JSON + PNG + tables)
+    python benchmarks/long_context.py --out docs/results/data/long_context        (JSON + PNG + tables)
 
 Workloads: the shared Mooncake trace (prompts up to 191k tokens, hash_ids per 512-token
 block; its timestamps rescaled to the rate) on llama-3.1-8b (131,072-token context) on one
@@ -308,7 +308,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="docs/long_context", help="writes OUT.json and OUT.png")
+    parser.add_argument("--out", default="docs/results/data/long_context", help="writes OUT.json and OUT.png")
     parser.add_argument(
         "--requests", type=int, default=1000, help="Mooncake requests of the policies and capacity parts"
     )

@@ -188,8 +188,8 @@ def interleaved_latency(predictors: dict[str, LengthPredictor], samples: list[An
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(artefacts.default_model_dir()))
-    p.add_argument("--json", default="docs/predictor_accuracy.json")
-    p.add_argument("--plot", default="docs/predictor_accuracy.png")
+    p.add_argument("--json", default="docs/results/data/predictor_accuracy.json")
+    p.add_argument("--plot", default="docs/results/data/predictor_accuracy.png")
     p.add_argument("--limit", type=int, help="held-out samples per file (default all)")
     p.add_argument("--latency-samples", type=int, default=300)
     args = p.parse_args()

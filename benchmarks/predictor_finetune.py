@@ -1,9 +1,10 @@
 """Length predictor: does training the encoder end to end beat the frozen encoder?
 
-    python benchmarks/predictor_finetune.py [--ranks 0,16] [--epochs 8] [--json docs/predictor_finetune.json]
+    python benchmarks/predictor_finetune.py [--ranks 0,16] [--epochs 8] \
+        [--json docs/results/data/predictor_finetune.json]
 
 The served predictor keeps MiniLM frozen and trains only its head; the measured accuracy gap
-to ALISE (docs/RESULTS.md, "Length predictor") left one lever untried: an encoder trained on
+to ALISE (docs/results/predictor.md) left one lever untried: an encoder trained on
 the length task itself. This trains, on the predictor's own split (ShareGPT first turns and
 AlpacaEval, disjoint by group, repeats of train prompts dropped), the two-layer encoder the
 service runs together with the predictor's head (`build_head`, `head_loss`: five quantiles of

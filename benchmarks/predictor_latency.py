@@ -1,6 +1,6 @@
 """Length predictor: one-prompt latency as wall time and as CPU time, on held-out ShareGPT first turns.
 
-    python benchmarks/predictor_latency.py [--model DIR] [--json docs/predictor_latency.json]
+    python benchmarks/predictor_latency.py [--model DIR] [--json docs/results/data/predictor_latency.json]
 
 On a shared machine the wall time of one prompt measures the queue for the cores as much as
 the predictor; the CPU time the process spends on it (onnxruntime with one intra-op thread
@@ -67,7 +67,7 @@ def interleaved(calls: dict[str, Callable[[str], Any]], prompts: list[str], roun
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(artefacts.default_model_dir()))
-    p.add_argument("--json", default="docs/predictor_latency.json")
+    p.add_argument("--json", default="docs/results/data/predictor_latency.json")
     p.add_argument("--prompts", type=int, default=300)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()

@@ -1,6 +1,6 @@
 """Length predictor: how many MiniLM layers, and which head, on ShareGPT first turns + AlpacaEval.
 
-    python benchmarks/predictor_layers.py [--json docs/predictor_layers.json]
+    python benchmarks/predictor_layers.py [--json docs/results/data/predictor_layers.json]
 
 1. One torch pass over every unique prompt (ShareGPT first human turns and the AlpacaEval
    instructions, 128-token cap) keeps the mean-pooled, L2-normalised output of each layer
@@ -180,7 +180,7 @@ def main() -> None:
     import torch
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", default="docs/predictor_layers.json")
+    p.add_argument("--json", default="docs/results/data/predictor_layers.json")
     p.add_argument("--layers", default="0,1,2,3,6")
     args = p.parse_args()
     torch.set_num_threads(1)

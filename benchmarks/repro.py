@@ -1,6 +1,6 @@
 """One command per paper: its headline comparison, run the way a reviewer would accept.
 
-    python benchmarks/repro.py PAPER [--quick] [--seeds 3] [--duration 300] [--out docs/repro]
+    python benchmarks/repro.py PAPER [--quick] [--seeds 3] [--duration 300] [--out docs/results/data/repro]
                                      [--length-source predictor[:DIR]]
     python benchmarks/repro.py econoserve --regroup 0.25,0.5,1,2     # the regroup factor, measured
 
@@ -733,7 +733,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--min-requests", type=int, default=200)
     parser.add_argument("--refine", type=int, default=1, help="bisection probes per capacity beyond the sweep")
     parser.add_argument("--quick", action="store_true", help="one seed, one rate, 60 s: a smoke run")
-    parser.add_argument("--out", default="docs/repro")
+    parser.add_argument("--out", default="docs/results/data/repro")
     parser.add_argument("--cause", action="store_true", help="scls only: where its GPU time goes against FastGen's")
     parser.add_argument(
         "--length-source",

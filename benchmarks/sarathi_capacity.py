@@ -4,7 +4,7 @@ sarathi vs vllm vs orca, Mistral-7B on one A100 and Yi-34B on two (TP2), on the 
 and arxiv traces, strict (5x) and relaxed (25x) TBT SLOs. Prints a table of capacities
 and the ratio to vLLM, and writes a PNG.
 
-    python benchmarks/sarathi_capacity.py --num-requests 300 --out docs/sarathi_capacity
+    python benchmarks/sarathi_capacity.py --num-requests 300 --out docs/results/data/sarathi_capacity
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--num-requests", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs/sarathi_capacity")
+    parser.add_argument("--out", default="docs/results/data/sarathi_capacity")
     parser.add_argument("--from-json", action="store_true", help="only redraw the table and plot from OUT.json")
     args = parser.parse_args()
     out = Path(args.out)

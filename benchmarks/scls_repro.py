@@ -6,7 +6,7 @@ Poisson arrivals at several rates. Compares `scls` (slice policy + scls router) 
 sweeps the slice length, runs the ablations (SO, PM, AB, LB, full), and runs SCLS and the
 routers on the shared real traces with 1, 2 and 4 workers.
 
-    python benchmarks/scls_repro.py --num-requests 1500 --out docs/scls
+    python benchmarks/scls_repro.py --num-requests 1500 --out docs/results/data/scls
 
 Prints markdown tables, writes them to `<out>_tables.md` beside a JSON of every run, and
 draws `<out>_rates.png`, `<out>_slices.png`, `<out>_ablation.png`.
@@ -220,7 +220,7 @@ def main() -> None:
     parser.add_argument("--ablation-rate", type=float, default=20.0)
     parser.add_argument("--trace-requests", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs/scls")
+    parser.add_argument("--out", default="docs/results/data/scls")
     args = parser.parse_args()
     cm = build_cost_model("profile", "llama-2-13b", "a100-80g")
     base = paper_workload(args.trace, args.num_requests, args.seed)

@@ -25,7 +25,7 @@ bin. With a wide length distribution (ShareGPT answers span 50 to 650 tokens for
 prompts) the bin holding the median is often not the most probable one, so the median scores
 below the mode. The mode-bin point keeps the median whenever the median's bin is the most
 probable and otherwise moves it the least distance that lands in that bin; measured on the
-held-out split in docs/RESULTS.md ("Length predictor"). `median` is ALISE's regression output.
+held-out split in docs/results/predictor.md. `median` is ALISE's regression output.
 """
 
 from __future__ import annotations

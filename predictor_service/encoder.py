@@ -29,7 +29,7 @@ DEFAULT_MAX_INPUT_TOKENS = 128
 # (config "encoder.layers"): the cost of one prompt is nearly proportional to N.
 FULL_LAYERS = 6
 # NOTE: two layers: a third of the encoder's time, and held-out bucket accuracy with layers 0-6
-# measured within noise of each other (docs/RESULTS.md, "Length predictor").
+# measured within noise of each other (docs/results/predictor.md).
 DEFAULT_LAYERS = 2
 
 

@@ -70,7 +70,7 @@ def export_encoder(
 ) -> Path:
     """Writes the pooled MiniLM encoder (its first `layers` layers; dynamic batch and sequence
     axes) to `path`; `int8` quantizes its weights dynamically (4x smaller, faster on one core;
-    measured in docs/RESULTS.md, "Length predictor")."""
+    measured in docs/results/predictor.md)."""
     import torch
 
     from predictor_service.encoder import PromptTokenizer, load_pooled_encoder

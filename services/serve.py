@@ -123,7 +123,7 @@ class ServeConfig(SchedulerServiceConfig):
     # NOTE: on a machine the workers share, the predictor's encoder competes with their steps for
     # the cores; at a lower priority it uses what they leave (its answers are never awaited).
     predictor_niceness: int = opt(10, "scheduling niceness of the predictor process (0: the same as the workers)")
-    # NOTE: off by default, measured (docs/RESULTS.md, "Live TTFT with the predictor"): idle priority
+    # NOTE: off by default, measured (docs/results/predictor.md, "Live TTFT with the predictor"): idle priority
     # took 13% instead of 17% onto the TTFT p50 of uncached prompts but let only 26 of 40 answers
     # arrive in time instead of 37, and under full load an idle-class process would answer nothing.
     predictor_idle: bool = opt(
@@ -133,7 +133,7 @@ class ServeConfig(SchedulerServiceConfig):
     )
     # NOTE: off by default. Pinned apart, the predictor's encoder cannot take a core from a worker's
     # prefill, as when it runs as its own container (docker-compose, Kubernetes); scheduler_cpus
-    # places this process too (measured: docs/RESULTS.md, "Live TTFT with the predictor").
+    # places this process too (measured: docs/results/predictor.md, "Live TTFT with the predictor").
     worker_cpus: str | None = opt(
         None, "CPUs the workers are pinned to, like 0-3 or 0,2-3 (all share the set); none: not pinned"
     )

@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.threads:
         # NOTE: on a CPU shared with other processes, fewer OpenMP threads than cores avoids
-        # barrier stalls that made the same steps up to 40x slower (docs/RESULTS.md, worker section).
+        # barrier stalls that made the same steps up to 40x slower (docs/results/worker_engine.md).
         torch.set_num_threads(cfg.threads)
     logging.getLogger("sluice.worker").info("worker config: %s", redacted(asdict(cfg)))
     factory: Callable[[EngineConfig], Any] = LLMEngine

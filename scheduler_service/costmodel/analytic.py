@@ -31,7 +31,7 @@ in flight. The constants are calibrated against Vidur's measured A100/H100 opera
 2048-4096 tokens; weight reads reach 70% of HBM bandwidth at one token), and reproduce
 AccelGen's (section 4.2) saturation of OPT-13B on A100 near forward size 768 and Sarathi-Serve's
 Fig. 3 (decode throughput linear in batch size, prefill saturated after a few hundred tokens).
-See the cost-model section of docs/RESULTS.md.
+See docs/results/costmodel_calibration.md.
 """
 
 from __future__ import annotations
