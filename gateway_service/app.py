@@ -347,11 +347,9 @@ class Gateway:
             return Response(dumps(answer), media_type="application/json", headers={"x-request-id": rid})
         except grpc.aio.AioRpcError as exc:
             await events.aclose()
-            self._done(gen, None)
-            return self._error(route, from_rpc_error(exc, parsed.aliases), span)
+            return self._failed(gen, from_rpc_error(exc, parsed.aliases))
         except StopAsyncIteration:  # the stream ended with no message at all
-            self._done(gen, None)
-            return self._error(route, ApiError(502, "the scheduler's stream ended without a message"), span)
+            return self._failed(gen, ApiError(502, "the scheduler's stream ended without a message"))
         except ClientGone:
             await events.aclose()
             self.metrics.disconnects.inc()
@@ -359,8 +357,12 @@ class Gateway:
             return Response(status_code=CLIENT_GONE)
         except BaseException:
             await events.aclose()
-            self._done(gen, None)
+            self._done(gen, 500)
             raise
+
+    def _failed(self, gen: Generation, error: ApiError) -> Response:
+        self._done(gen, error.status)
+        return error_response(error)
 
     async def _collect(self, gen: Generation, events: AsyncIterator[tuple[int, Any]]) -> dict[str, Any]:
         async for index, msg in events:
@@ -401,14 +403,13 @@ class Gateway:
             gen.started.add(index)
         return gen.shapes.event(index, msg.text, reason, first)
 
-    def _done(self, gen: Generation, status: int | None) -> None:
+    def _done(self, gen: Generation, status: int) -> None:
         self.metrics.running.dec()
         self.metrics.tokens.inc(gen.num_tokens)
         self.metrics.duration.labels(gen.route).observe(time.perf_counter() - gen.arrival)
-        if status is not None:
-            self.metrics.requests.labels(gen.route, str(status)).inc()
+        self.metrics.requests.labels(gen.route, str(status)).inc()
         if gen.span is not None:
-            gen.span.set_attribute("http.response.status_code", status or 0)
+            gen.span.set_attribute("http.response.status_code", status)
             gen.span.end()
 
     def _error(self, route: str, error: ApiError, span: Any = None) -> Response:

@@ -87,8 +87,9 @@ def invalid(param: str, message: str) -> ApiError:
 def openai_field(field: str, aliases: Mapping[str, str]) -> str:
     """The request field a client sent for the scheduler's `field` (`sampling_params.top_p`
     is `top_p`; `text` is `prompt`, or `messages` for a chat)."""
-    name = field.removeprefix("sampling_params.")
-    name = name.split("[", 1)[0]
+    name = field.removeprefix("sampling_params.").split("[", 1)[0]
+    if name.split(".", 1)[0] in ("text", "token_ids", "prompt"):  # `token_ids.ids` too
+        name = "prompt"
     name = _FIELDS.get(name, name)
     return aliases.get(name, name)
 
