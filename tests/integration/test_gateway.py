@@ -447,3 +447,35 @@ async def test_queue_full_is_429_with_retry_after_queue_timeout_504_and_no_worke
             assert _error(gone, 503)["code"] == "service_unavailable"
     finally:
         await stop_stack(parts)
+
+
+# ---------------------------------------------------------------- sluice bench --backend openai
+
+
+async def test_bench_openai_backend_counts_every_request_with_its_length_as_the_grpc_bench(stack: Stack) -> None:
+    from scheduler_service.sim.workloads import apply_arrivals, load_trace
+    from services.bench import prepare_requests, run_requests, summarize
+    from services.bench_openai import OpenAIBench
+
+    workload = load_trace("azure-conv", num_requests=16)
+    async with OpenAIBench(stack.v1, KEY) as client:
+        assert await client.describe() == ("sluice-chat", 2048), "the first listed model and its context"
+        requests = prepare_requests(workload, 2048, max_tokens=8, prompt_source="tokens", oracle_lengths=True)
+        records = await run_requests(client, requests, concurrency=4, progress=False)
+        assert [len(r.token_times) for r in records] == [r.max_tokens for r in requests]
+        assert all(r.finish_reason == "length" and not r.error_code and r.prompt_tokens for r in records)
+        run = summarize(records, policy="openai-api", workload=workload.name)
+        assert (run.metrics["num_finished"], run.metrics["num_requests"]) == (16, 16)
+        assert run.metrics["ttft_s"]["p50"] > 0 and run.metrics["throughput_tok_s"] > 0
+
+        timed = prepare_requests(apply_arrivals(workload, "poisson", rate=100.0, seed=1), 2048, max_tokens=4)
+        records = await run_requests(client, timed, progress=False)
+        sent = sorted(r.sent_s for r in records)
+        assert all(s >= a - 1e-3 for s, a in zip(sent, sorted(r.arrival_s for r in timed), strict=True))
+        assert summarize(records, policy="openai-api", workload="w").metrics["num_finished"] == 16
+
+    async with OpenAIBench(stack.v1, "wrong") as client:
+        client.model = MODEL
+        record = (await run_requests(client, requests[:1], concurrency=1, progress=False))[0]
+    assert (record.error_code, record.token_times) == ("UNAUTHENTICATED", [])
+    await wait_idle(stack.grpc)
