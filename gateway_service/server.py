@@ -19,15 +19,22 @@ import signal
 import ssl
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gateway_service.app import Gateway, build_app
 from gateway_service.config import GATEWAY_EXCLUDES, GatewayConfig
 from sluice.common.config import add_config_arguments, config_from
+
+if TYPE_CHECKING:
+    from gateway_service.app import Gateway
+
+# NOTE: the app (Starlette, uvicorn) is imported where it is served: the `sluice` command builds
+# its flags from this module, and the scheduler's image has no HTTP stack.
 
 
 def uvicorn_config(cfg: GatewayConfig, gateway: Gateway, *, loop: str = "none") -> Any:
     import uvicorn
+
+    from gateway_service.app import build_app
 
     tls: dict[str, Any] = {}
     if cfg.tls_cert or cfg.tls_key:
@@ -65,6 +72,8 @@ class GatewayServer:
     async def start(cls, cfg: GatewayConfig, gateway: Gateway | None = None) -> GatewayServer:
         import uvicorn
 
+        from gateway_service.app import Gateway
+
         gateway = gateway or Gateway(cfg)
         server = uvicorn.Server(uvicorn_config(cfg, gateway))
         server.capture_signals = contextlib.nullcontext  # the host process owns its signals
@@ -91,6 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from gateway_service.app import Gateway
     from sluice.common.telemetry import setup_tracing
 
     cfg = config_from(GatewayConfig, args, file=args.config, exclude=GATEWAY_EXCLUDES)

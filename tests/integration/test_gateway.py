@@ -27,6 +27,7 @@ from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
 from scheduler_service.server import SchedulerServer
 from sluice.common.client import SluiceClient
+from sluice.common.healthcheck import EXIT_NOT_SERVING, EXIT_SERVING, check_http
 from sluice.common.security import ApiKeys, ClientSecurity, ServerSecurity
 from sluice.common.telemetry import setup_tracing
 from worker_service.echo_engine import EchoEngine
@@ -319,6 +320,9 @@ async def test_the_api_key_is_required_on_every_route_but_health(stack: Stack) -
             assert (await http.request(method, stack.base + path, json=body, headers=AUTH)).status_code == 200, path
         health = await http.get(stack.base + "/health")
     assert health.status_code == 200 and health.json() == {"status": "ok", "scheduler": "serving"}
+    # the image's health check: the Python probe with --http on $SLUICE_PORT
+    port = str(stack.gateway.port)
+    assert (await asyncio.to_thread(check_http, port, "/health"))[0] == EXIT_SERVING
     with pytest.raises(openai.AuthenticationError):
         await openai.AsyncOpenAI(base_url=stack.v1, api_key="wrong").models.list()
 
@@ -443,6 +447,8 @@ async def test_queue_full_is_429_with_retry_after_queue_timeout_504_and_no_worke
             await worker.server.stop(None)
             while (await http.get(stack.base + "/health")).status_code != 503:
                 await asyncio.sleep(0.05)
+            code, line = await asyncio.to_thread(check_http, str(stack.gateway.port), "/health")
+            assert code == EXIT_NOT_SERVING and "503" in line
             gone = await http.post(url, json={"prompt": "x", "max_tokens": 2}, headers=AUTH)
             assert _error(gone, 503)["code"] == "service_unavailable"
     finally:
