@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.stop()
     result = summary(rows, args.scenarios)
     print(
-        f"echo worker, `sluice scheduler` and `sluice gateway` processes on {os.cpu_count()} cores; {args.rounds} rounds"
+        f"echo worker, `sluice scheduler` and `sluice gateway` processes on {os.cpu_count()} cores, {args.rounds} rounds"
     )
     print_table(result)
     if args.json:

@@ -191,6 +191,7 @@ class Generation:
     completion_tokens: list[int] = field(default_factory=list)
     started: set[int] = field(default_factory=set)
     num_tokens: int = 0
+    num_finished: int = 0
 
     def __post_init__(self) -> None:
         k = self.parsed.num_choices
@@ -205,10 +206,16 @@ class Generation:
         reason = FINISH_REASONS.get(msg.finish_reason)
         if reason is not None or msg.finish_reason:
             reason = reason or "error"
+            self.num_finished += 1
             self.finish[index] = reason
             self.prompt_tokens[index] = msg.usage.prompt_tokens
             self.completion_tokens[index] = msg.usage.completion_tokens
         return reason
+
+    @property
+    def finished(self) -> bool:
+        """Every choice has had its last message."""
+        return self.num_finished == len(self.finish)
 
     def usage(self) -> dict[str, int]:
         # NOTE: a prompt sampled n times counts once, as OpenAI counts it
@@ -294,9 +301,12 @@ class Gateway:
     def trace_metadata(self, request: Request, route: str) -> tuple[Any, tuple[tuple[str, str], ...]]:
         """(the gateway's span or None, the W3C trace headers for the scheduler): the client's
         traceparent continues through a span of the gateway when it traces, else as it came."""
+        traced = tracing_enabled()
+        if not traced and "traceparent" not in request.headers:
+            return None, ()
         context = propagate.extract(request.headers)
         span = None
-        if tracing_enabled():
+        if traced:
             span = self.tracer.start_span(f"POST {route}", context=context, kind=trace.SpanKind.SERVER)
             context = trace.set_span_in_context(span, context)
         carrier: dict[str, str] = {}
@@ -377,14 +387,19 @@ class Gateway:
     ) -> AsyncIterator[bytes]:
         shapes, status = gen.shapes, CLIENT_GONE
         try:
-            index, msg = first
-            yield self._event(gen, index, msg)
+            # NOTE: the last choice's last event, the usage event and [DONE] go out in one write
+            event = self._event(gen, *first)
+            if not gen.finished:
+                yield event
+                event = b""
             self.metrics.ttft.labels(gen.route).observe(time.perf_counter() - gen.arrival)
             async for index, msg in events:
-                yield self._event(gen, index, msg)
-            if gen.parsed.include_usage:
-                yield shapes.usage_event(gen.usage())
-            yield DONE
+                event = self._event(gen, index, msg)
+                if not gen.finished:
+                    yield event
+                    event = b""
+            usage = shapes.usage_event(gen.usage()) if gen.parsed.include_usage else b""
+            yield event + usage + DONE
             status = 200
         except grpc.aio.AioRpcError as exc:
             error = from_rpc_error(exc, gen.parsed.aliases)

@@ -272,8 +272,8 @@ async def test_a_client_leaving_mid_stream_aborts_its_request_and_frees_its_kv(s
                 seen += line.startswith("data: ")
                 if seen == 3:
                     break
-        stats = await stack.grpc.stats()
-        assert stats.num_running == 1 and stats.workers[0].gpu_blocks_used > 0, "still generating when it left"
+            stats = await stack.grpc.stats()
+            assert stats.num_running == 1 and stats.workers[0].gpu_blocks_used > 0, "generating when it leaves"
     await wait_idle(stack.grpc)  # 0 waiting, 0 running, 0 blocks
     # a non-streaming client that leaves while it waits is aborted too
     async with httpx.AsyncClient(timeout=httpx.Timeout(0.3)) as http:
