@@ -246,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 process.kill()
         worker.stop()
     result = summary(rows, args.scenarios)
-    print(
-        f"echo worker, `sluice scheduler` and `sluice gateway` processes on {os.cpu_count()} cores, {args.rounds} rounds"
-    )
+    print(f"echo worker, `sluice scheduler`, `sluice gateway` processes; {os.cpu_count()} cores, {args.rounds} rounds")
     print_table(result)
     if args.json:
         doc = {"config": vars(args), "cpus": os.cpu_count(), "summary": result, "rounds": rows}

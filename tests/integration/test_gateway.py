@@ -264,16 +264,18 @@ async def test_sse_framing_byte_for_byte(stack: Stack) -> None:
 
 async def test_a_client_leaving_mid_stream_aborts_its_request_and_frees_its_kv(stack: Stack) -> None:
     body = {"prompt": [1000] * 100, "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    async with httpx.AsyncClient() as http:
-        async with http.stream("POST", stack.v1 + "/completions", json=body, headers=AUTH) as resp:
-            assert resp.status_code == 200
-            seen = 0
-            async for line in resp.aiter_lines():
-                seen += line.startswith("data: ")
-                if seen == 3:
-                    break
-            stats = await stack.grpc.stats()
-            assert stats.num_running == 1 and stats.workers[0].gpu_blocks_used > 0, "generating when it leaves"
+    async with (
+        httpx.AsyncClient() as http,
+        http.stream("POST", stack.v1 + "/completions", json=body, headers=AUTH) as resp,
+    ):
+        assert resp.status_code == 200
+        seen = 0
+        async for line in resp.aiter_lines():
+            seen += line.startswith("data: ")
+            if seen == 3:
+                break
+        stats = await stack.grpc.stats()
+        assert stats.num_running == 1 and stats.workers[0].gpu_blocks_used > 0, "generating when it leaves"
     await wait_idle(stack.grpc)  # 0 waiting, 0 running, 0 blocks
     # a non-streaming client that leaves while it waits is aborted too
     async with httpx.AsyncClient(timeout=httpx.Timeout(0.3)) as http:
