@@ -39,9 +39,9 @@ from opentelemetry import propagate, trace
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive
+from starlette.types import Receive, Scope, Send
 
 from gateway_service.chat import ChatTemplate
 from gateway_service.config import GatewayConfig
@@ -347,11 +347,7 @@ class Gateway:
         try:
             if parsed.stream:
                 first = await until_disconnected(request.receive, anext(events))
-                return StreamingResponse(
-                    self._sse(gen, first, events),
-                    media_type="text/event-stream",
-                    headers={"x-request-id": rid, "cache-control": "no-cache"},
-                )
+                return EventStream(self._sse(gen, first, events), {"x-request-id": rid, "cache-control": "no-cache"})
             answer = await until_disconnected(request.receive, self._collect(gen, events))
             self._done(gen, 200)
             return Response(dumps(answer), media_type="application/json", headers={"x-request-id": rid})
@@ -384,27 +380,28 @@ class Gateway:
 
     async def _sse(
         self, gen: Generation, first: tuple[int, Any], events: AsyncIterator[tuple[int, Any]]
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncIterator[tuple[bytes, bool]]:
+        """(bytes, more) per write: one event per scheduler message; the last write ends the body."""
         shapes, status = gen.shapes, CLIENT_GONE
         try:
             # NOTE: the last choice's last event, the usage event and [DONE] go out in one write
             event = self._event(gen, *first)
             if not gen.finished:
-                yield event
+                yield event, True
                 event = b""
             self.metrics.ttft.labels(gen.route).observe(time.perf_counter() - gen.arrival)
             async for index, msg in events:
                 event = self._event(gen, index, msg)
                 if not gen.finished:
-                    yield event
+                    yield event, True
                     event = b""
             usage = shapes.usage_event(gen.usage()) if gen.parsed.include_usage else b""
-            yield event + usage + DONE
             status = 200
+            yield event + usage + DONE, False
         except grpc.aio.AioRpcError as exc:
             error = from_rpc_error(exc, gen.parsed.aliases)
             status = error.status
-            yield error_event(error)
+            yield error_event(error), False
         finally:
             await events.aclose()  # the client left (cancelled) or the stream ended: calls cancelled
             if status == CLIENT_GONE:
@@ -473,6 +470,43 @@ class Gateway:
         except ApiError as error:
             return error_response(error)
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+class EventStream(Response):
+    """A `text/event-stream` answer written as its events come, each in one write (the last
+    with the end of the chunked body). The client disconnecting cancels the stream, whose
+    generator then cancels its gRPC calls. NOTE: in place of Starlette's StreamingResponse,
+    whose anyio task group cost about a millisecond of CPU per request, measured."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[tuple[bytes, bool]], headers: dict[str, str]) -> None:
+        self.body_iterator = body
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self._stream(send))
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not stream.done():
+                stream.cancel()  # the client left: the generator's finally cancels the calls
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stream
+        if not stream.cancelled():
+            stream.result()
+
+    async def _stream(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        more = True
+        async for data, more in self.body_iterator:
+            await send({"type": "http.response.body", "body": data, "more_body": more})
+        if more:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def error_response(error: ApiError) -> Response:
