@@ -487,3 +487,19 @@ async def test_bench_openai_backend_counts_every_request_with_its_length_as_the_
         record = (await run_requests(client, requests[:1], concurrency=1, progress=False))[0]
     assert (record.error_code, record.token_times) == ("UNAUTHENTICATED", [])
     await wait_idle(stack.grpc)
+
+
+async def test_the_bench_command_with_the_openai_backend_writes_the_metrics_json(stack: Stack, tmp_path: Path) -> None:
+    from services.cli import main
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--backend", "openai", "--base-url", stack.v1, "--model", MODEL, "--api-key", KEY]
+    argv += ["--trace", "azure-conv", "--num-requests", "8", "--concurrency", "4", "--max-tokens", "4"]
+    argv += ["--oracle-lengths", "--no-progress", "--json", str(out)]
+    assert await asyncio.to_thread(main, argv) == 0
+    run = json.loads(out.read_text())
+    assert (run["config"]["backend"], run["config"]["model"], run["config"]["max_model_len"]) == ("openai", MODEL, 2048)
+    assert (run["metrics"]["num_requests"], run["metrics"]["num_finished"]) == (8, 8)
+    assert run["details"]["client"]["finish_reasons"] == {"length": 8}
+    with pytest.raises(SystemExit):
+        await asyncio.to_thread(main, ["bench", "--backend", "openai", "--trace", "azure-conv", "--base-url"])
