@@ -7,11 +7,14 @@ CPU per streamed token.
                                     <- gRPC <- `sluice gateway` process <- HTTP <- this process
                                                                             (OpenAIBench, aiohttp)
 
-Scenarios (each run as `sluice bench` runs them, by services/bench.run_requests, on both paths):
-    sequential   one request at a time, 64 tokens: TTFT with nothing queued
+Scenarios (requests sent as `sluice bench` sends them, by services/bench.run_requests):
+    paired       one request at a time (16 tokens), alternately over each path, the order
+                 flipping every pair: the median of the per-pair TTFT differences
     demo         the load of `sluice serve --demo` (40 requests of azure-conv over 8 s, prompts
-                 x1/8 <= 256 tokens, outputs x1/4 <= 64): TTFT p50 / p99
-    saturation   closed loop, --concurrency streams of --sat-tokens tokens: tokens/s, and the
+                 x1/8 <= 256 tokens, outputs x1/4 <= 64), its requests alternately over gRPC and
+                 HTTP in the same run: TTFT p50 / p99 of each path's half
+    saturation   closed loop, --concurrency streams of --sat-tokens tokens, all over one path,
+                 then all over the other (the first alternating by round): tokens/s, and the
                  gateway's CPU seconds (utime + stime from /proc) per streamed token
 
     python benchmarks/gateway_overhead.py --rounds 3 --json docs/results/openai_api.json
@@ -39,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_common import ROOT, WorkerProcess, spawn_worker
 
 from scheduler_service.core.slo import NO_SLO, SLOSpec
-from services.bench import BenchRequest, run_requests, summarize, synthetic_prompt
+from services.bench import BenchRequest, RequestRecord, run_requests, summarize, synthetic_prompt
+from services.bench import _send as send_grpc
 from services.bench_openai import OpenAIBench
 from sluice.common.client import SluiceClient
 
@@ -99,36 +103,89 @@ def fixed_load(tag: str, n: int, prompt_tokens: int, max_tokens: int) -> list[Be
 # ---------------------------------------------------------------- one round
 
 
-async def one_round(
-    clients: dict[str, Any], backend: str, scenario: str, tag: str, args: argparse.Namespace, gateway_pid: int
-) -> dict[str, Any]:
-    client = clients[backend]
-    concurrency: int | None
-    if scenario == "sequential":
-        requests, concurrency = fixed_load(tag, args.seq_requests, 32, 64), 1
-    elif scenario == "demo":
-        requests, concurrency = demo_load(tag), None
-    else:
-        requests, concurrency = fixed_load(tag, args.sat_requests, 32, args.sat_tokens), args.concurrency
-    cpu0 = cpu_seconds(gateway_pid)
-    start = time.perf_counter()
-    records = await run_requests(client, requests, concurrency=concurrency, progress=False)
-    wall = time.perf_counter() - start
-    gateway_cpu = cpu_seconds(gateway_pid) - cpu0
+class Mixed:
+    """Sends each request over gRPC or HTTP by its position (`first` takes the even ones), so
+    both paths run in the same seconds, under the same load and the same noise."""
+
+    def __init__(self, clients: dict[str, Any], first: str) -> None:
+        self.clients = clients
+        self.order = (first, BACKENDS[1 - BACKENDS.index(first)])
+        self.backend_of: dict[str, str] = {}
+
+    async def send(self, record: RequestRecord, t0: float, timeout: float | None) -> None:
+        backend = self.order[int(record.request.request_id.rsplit("-", 1)[1]) % 2]
+        self.backend_of[record.request.request_id] = backend
+        client = self.clients[backend]
+        if isinstance(client, SluiceClient):
+            await send_grpc(client, record, t0, timeout)
+        else:
+            await client.send(record, t0, timeout)
+
+
+def row_of(backend: str, scenario: str, records: list[RequestRecord], wall: float, gateway_cpu: float) -> dict:
     metrics = summarize(records, policy="vllm", workload=scenario).metrics
     tokens = sum(len(r.token_times) for r in records)
-    errors = sum(1 for r in records if r.error_code)
     return {
         "backend": backend,
         "scenario": scenario,
+        "requests": len(records),
         "ttft_p50_ms": metrics["ttft_s"]["p50"] * 1e3,
         "ttft_p99_ms": metrics["ttft_s"]["p99"] * 1e3,
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
-        "errors": errors,
-        "gateway_cpu_s": gateway_cpu,
+        "errors": sum(1 for r in records if r.error_code),
+        "gateway_cpu_s": gateway_cpu if backend == "http" else 0.0,
     }
+
+
+def ttft_ms(record: RequestRecord) -> float:
+    return (record.token_times[0] - record.sent_s) * 1e3
+
+
+async def paired_round(clients: dict[str, Any], tag: str, args: argparse.Namespace, gateway_pid: int) -> list[dict]:
+    """One request at a time, alternately over each path (the order flips every pair)."""
+    records: dict[str, list[RequestRecord]] = {b: [] for b in BACKENDS}
+    diffs = []
+    cpu0 = cpu_seconds(gateway_pid)
+    start = time.perf_counter()
+    for i, request in enumerate(fixed_load(tag, args.pairs, 32, 16)):
+        pair = {}
+        for backend in BACKENDS if i % 2 == 0 else BACKENDS[::-1]:
+            pair[backend] = (await run_requests(clients[backend], [request], concurrency=1, progress=False))[0]
+            records[backend].append(pair[backend])
+        if all(r.token_times for r in pair.values()):
+            diffs.append(ttft_ms(pair["http"]) - ttft_ms(pair["grpc"]))
+    wall = time.perf_counter() - start
+    cpu = cpu_seconds(gateway_pid) - cpu0
+    rows = [row_of(b, "paired", records[b], wall, cpu) for b in BACKENDS]
+    for row in rows:
+        row["paired_added_ttft_ms"] = diffs
+    return rows
+
+
+async def one_round(
+    clients: dict[str, Any], first: str, scenario: str, tag: str, args: argparse.Namespace, gateway_pid: int
+) -> list[dict[str, Any]]:
+    if scenario == "paired":
+        return await paired_round(clients, tag, args, gateway_pid)
+    cpu0 = cpu_seconds(gateway_pid)
+    start = time.perf_counter()
+    if scenario == "demo":
+        mixed = Mixed(clients, first)
+        records = await run_requests(mixed, demo_load(tag), progress=False)
+        wall, cpu = time.perf_counter() - start, cpu_seconds(gateway_pid) - cpu0
+        by = {b: [r for r in records if mixed.backend_of[r.request.request_id] == b] for b in BACKENDS}
+        return [row_of(b, scenario, by[b], wall, cpu) for b in BACKENDS]
+    rows = []
+    for backend in (first, BACKENDS[1 - BACKENDS.index(first)]):
+        cpu0 = cpu_seconds(gateway_pid)
+        start = time.perf_counter()
+        requests = fixed_load(f"{tag}-{backend}", args.sat_requests, 32, args.sat_tokens)
+        records = await run_requests(clients[backend], requests, concurrency=args.concurrency, progress=False)
+        wall, cpu = time.perf_counter() - start, cpu_seconds(gateway_pid) - cpu0
+        rows.append(row_of(backend, scenario, records, wall, cpu))
+    return rows
 
 
 async def measure(args: argparse.Namespace, scheduler_port: int, gateway_port: int, gateway_pid: int) -> list[dict]:
@@ -147,12 +204,12 @@ async def measure(args: argparse.Namespace, scheduler_port: int, gateway_port: i
             await run_requests(
                 clients[backend], fixed_load(f"warm-{backend}", 32, 32, 16), concurrency=8, progress=False
             )
-        steps = [(s, r, i) for s in args.scenarios for r in range(args.rounds) for i in range(2)]
-        for scenario, r, i in tqdm(steps, desc="gateway overhead", unit="round"):
-            backend = BACKENDS[(r + i) % 2]  # alternate which path goes first in each round
-            row = await one_round(clients, backend, scenario, f"{scenario}-{r}-{backend}", args, gateway_pid)
-            row["round"] = r
-            rows.append(row)
+        steps = [(s, r) for s in args.scenarios for r in range(args.rounds)]
+        for scenario, r in tqdm(steps, desc="gateway overhead", unit="round"):
+            first = BACKENDS[r % 2]  # which path goes first (or takes the even requests) alternates
+            for row in await one_round(clients, first, scenario, f"{scenario}-{r}", args, gateway_pid):
+                row["round"] = r
+                rows.append(row)
     return rows
 
 
@@ -173,8 +230,18 @@ def summary(rows: list[dict], scenarios: list[str]) -> dict[str, Any]:
         d_p99 = [p["http"]["ttft_p99_ms"] - p["grpc"]["ttft_p99_ms"] for p in pairs]
         ratio = [p["http"]["tokens_per_s"] / p["grpc"]["tokens_per_s"] for p in pairs]
         per_core = [p["http"]["tokens"] / p["http"]["gateway_cpu_s"] for p in pairs if p["http"]["gateway_cpu_s"] > 0]
+        paired = [d for p in pairs for d in p["http"].get("paired_added_ttft_ms", [])]
         out[scenario] = {
             "rounds": len(pairs),
+            "requests_per_path": sum(p["http"]["requests"] for p in pairs),
+            "paired_added_ttft_ms": {
+                "median": statistics.median(paired),
+                "p25": statistics.quantiles(paired, n=4)[0],
+                "p75": statistics.quantiles(paired, n=4)[2],
+                "pairs": len(paired),
+            }
+            if paired
+            else None,
             "grpc_ttft_p50_ms": statistics.median(p["grpc"]["ttft_p50_ms"] for p in pairs),
             "http_ttft_p50_ms": statistics.median(p["http"]["ttft_p50_ms"] for p in pairs),
             "grpc_ttft_p99_ms": statistics.median(p["grpc"]["ttft_p99_ms"] for p in pairs),
@@ -194,30 +261,44 @@ def summary(rows: list[dict], scenarios: list[str]) -> dict[str, Any]:
     return out
 
 
+def print_paired(result: dict[str, Any]) -> None:
+    for scenario, s in result.items():
+        paired = s["paired_added_ttft_ms"]
+        if paired:
+            print(
+                f"{scenario}: HTTP - gRPC TTFT of each pair: median {paired['median']:+.2f} ms "
+                f"(quartiles {paired['p25']:+.2f} .. {paired['p75']:+.2f}), {paired['pairs']} pairs"
+            )
+
+
 def print_table(result: dict[str, Any]) -> None:
+    """Throughput columns for saturation only: the paired and demo rounds share their wall time."""
     print(
-        f"{'scenario':<11} {'TTFT p50 gRPC/HTTP ms':>22} {'added p50 ms (range)':>24} {'TTFT p99 gRPC/HTTP ms':>22} "
-        f"{'tok/s gRPC/HTTP':>17} {'HTTP/gRPC (range)':>20} {'gateway tok/CPU-s':>18}"
+        f"{'scenario':<11} {'TTFT p50 gRPC/HTTP ms':>22} {'HTTP-gRPC p50 ms (range)':>26} "
+        f"{'TTFT p99 gRPC/HTTP ms':>22} {'tok/s gRPC/HTTP':>16} {'HTTP/gRPC (range)':>20} {'gateway tok/CPU-s':>18}"
     )
     for scenario, s in result.items():
-        added = s["added_ttft_p50_ms"]
-        ratio = s["http_over_grpc_throughput"]
+        added, ratio = s["added_ttft_p50_ms"], s["http_over_grpc_throughput"]
         per_core = s["gateway_tokens_per_cpu_s"]["median"]
+        rates = "-".center(16) + " " + "-".center(20)
+        if scenario == "saturation":
+            rates = (
+                f"{s['grpc_tokens_per_s']:>7.0f}/{s['http_tokens_per_s']:<8.0f} "
+                f"{ratio['median']:>6.3f} ({ratio['min']:.3f}..{ratio['max']:.3f})"
+            )
         print(
             f"{scenario:<11} {s['grpc_ttft_p50_ms']:>10.2f} / {s['http_ttft_p50_ms']:<9.2f} "
-            f"{added['median']:>+8.2f} ({added['min']:+.2f}..{added['max']:+.2f})  "
-            f"{s['grpc_ttft_p99_ms']:>10.2f} / {s['http_ttft_p99_ms']:<9.2f} "
-            f"{s['grpc_tokens_per_s']:>8.0f}/{s['http_tokens_per_s']:<8.0f} "
-            f"{ratio['median']:>7.3f} ({ratio['min']:.3f}..{ratio['max']:.3f}) "
-            f"{per_core if per_core is None else round(per_core):>12}"
+            f"{added['median']:>+9.2f} ({added['min']:+.2f}..{added['max']:+.2f})  "
+            f"{s['grpc_ttft_p99_ms']:>10.2f} / {s['http_ttft_p99_ms']:<9.2f} {rates} "
+            f"{'-' if per_core is None else round(per_core):>12}"
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--scenarios", nargs="+", default=["sequential", "demo", "saturation"])
-    p.add_argument("--seq-requests", type=int, default=40)
+    p.add_argument("--scenarios", nargs="+", default=["paired", "demo", "saturation"])
+    p.add_argument("--pairs", type=int, default=60, help="paired: requests per path and round")
     p.add_argument("--sat-requests", type=int, default=256)
     p.add_argument("--sat-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=64)
@@ -248,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     result = summary(rows, args.scenarios)
     print(f"echo worker, `sluice scheduler`, `sluice gateway` processes; {os.cpu_count()} cores, {args.rounds} rounds")
     print_table(result)
+    print_paired(result)
     if args.json:
         doc = {"config": vars(args), "cpus": os.cpu_count(), "summary": result, "rounds": rows}
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
