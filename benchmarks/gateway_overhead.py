@@ -146,7 +146,8 @@ def ttft_ms(record: RequestRecord) -> float:
 async def paired_round(clients: dict[str, Any], tag: str, args: argparse.Namespace, gateway_pid: int) -> list[dict]:
     """One request at a time, alternately over each path (the order flips every pair)."""
     records: dict[str, list[RequestRecord]] = {b: [] for b in BACKENDS}
-    diffs = []
+    diffs: list[float] = []
+    hops: list[float] = []
     cpu0 = cpu_seconds(gateway_pid)
     start = time.perf_counter()
     for i, request in enumerate(fixed_load(tag, args.pairs, 32, 16)):
@@ -156,12 +157,34 @@ async def paired_round(clients: dict[str, Any], tag: str, args: argparse.Namespa
             records[backend].append(pair[backend])
         if all(r.token_times for r in pair.values()):
             diffs.append(ttft_ms(pair["http"]) - ttft_ms(pair["grpc"]))
+        hops.append(await http_round_trip_ms(clients["http"]))
     wall = time.perf_counter() - start
     cpu = cpu_seconds(gateway_pid) - cpu0
     rows = [row_of(b, "paired", records[b], wall, cpu) for b in BACKENDS]
     for row in rows:
         row["paired_added_ttft_ms"] = diffs
+        row["http_round_trip_ms"] = hops
     return rows
+
+
+async def http_round_trip_ms(client: OpenAIBench) -> float:
+    """GET /v1/models: one HTTP exchange with the gateway, no scheduler call (its answer is cached)."""
+    start = time.perf_counter()
+    async with client.session.get(client.base_url + "/models") as resp:
+        await resp.read()
+    return (time.perf_counter() - start) * 1e3
+
+
+def gateway_prepare_ms(port: int) -> float | None:
+    """Mean of the gateway's sluice_gateway_request_prepare_seconds (its work before calling the scheduler)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    total = re.search(r"^sluice_gateway_request_prepare_seconds_sum ([\d.e+-]+)$", text, re.M)
+    count = re.search(r"^sluice_gateway_request_prepare_seconds_count ([\d.e+-]+)$", text, re.M)
+    if not (total and count) or float(count.group(1)) == 0:
+        return None
+    return float(total.group(1)) / float(count.group(1)) * 1e3
 
 
 async def one_round(
@@ -231,6 +254,7 @@ def summary(rows: list[dict], scenarios: list[str]) -> dict[str, Any]:
         ratio = [p["http"]["tokens_per_s"] / p["grpc"]["tokens_per_s"] for p in pairs]
         per_core = [p["http"]["tokens"] / p["http"]["gateway_cpu_s"] for p in pairs if p["http"]["gateway_cpu_s"] > 0]
         paired = [d for p in pairs for d in p["http"].get("paired_added_ttft_ms", [])]
+        hops = [d for p in pairs for d in p["http"].get("http_round_trip_ms", [])]
         out[scenario] = {
             "rounds": len(pairs),
             "requests_per_path": sum(p["http"]["requests"] for p in pairs),
@@ -242,6 +266,7 @@ def summary(rows: list[dict], scenarios: list[str]) -> dict[str, Any]:
             }
             if paired
             else None,
+            "http_round_trip_ms": {"median": statistics.median(hops), "n": len(hops)} if hops else None,
             "grpc_ttft_p50_ms": statistics.median(p["grpc"]["ttft_p50_ms"] for p in pairs),
             "http_ttft_p50_ms": statistics.median(p["http"]["ttft_p50_ms"] for p in pairs),
             "grpc_ttft_p99_ms": statistics.median(p["grpc"]["ttft_p99_ms"] for p in pairs),
@@ -267,7 +292,8 @@ def print_paired(result: dict[str, Any]) -> None:
         if paired:
             print(
                 f"{scenario}: HTTP - gRPC TTFT of each pair: median {paired['median']:+.2f} ms "
-                f"(quartiles {paired['p25']:+.2f} .. {paired['p75']:+.2f}), {paired['pairs']} pairs"
+                f"(quartiles {paired['p25']:+.2f} .. {paired['p75']:+.2f}), {paired['pairs']} pairs; "
+                f"one HTTP exchange with the gateway alone (GET /v1/models): {s['http_round_trip_ms']['median']:.2f} ms"
             )
 
 
@@ -318,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         processes.append(gateway)
         rows = asyncio.run(measure(args, scheduler_port, gateway_port, gateway.pid))
+        prepare_ms = gateway_prepare_ms(gateway_port)
     finally:
         for process in reversed(processes):
             process.terminate()
@@ -330,8 +357,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"echo worker, `sluice scheduler`, `sluice gateway` processes; {os.cpu_count()} cores, {args.rounds} rounds")
     print_table(result)
     print_paired(result)
+    print(f"the gateway's own work before calling the scheduler (mean of all requests): {prepare_ms:.3f} ms")
     if args.json:
-        doc = {"config": vars(args), "cpus": os.cpu_count(), "summary": result, "rounds": rows}
+        doc = {
+            "config": vars(args),
+            "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),
+            "gateway_prepare_ms_mean": prepare_ms,
+            "summary": result,
+            "rounds": rows,
+        }
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0

@@ -337,6 +337,7 @@ class Gateway:
             metadata = (*link.metadata, *trace_headers)
             timeout = self.cfg.request_timeout_s
             calls = [link.stub.Generate(r, timeout=timeout, metadata=metadata) for r in parsed.requests(rid)]
+            self.metrics.prepare.observe(time.perf_counter() - arrival)
         except ApiError as error:
             return self._error(route, error, span)
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"

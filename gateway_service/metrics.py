@@ -3,15 +3,15 @@
 The scheduler's serving metrics (TTFT, ITL, queue time as the scheduler sees them) stay on
 the scheduler's metrics port; these are what HTTP adds and what only the gateway sees:
 requests by route and status, time to first token as the HTTP client sees it (from the
-request's arrival at the gateway to its first content chunk), tokens returned, requests in
-flight and clients that left mid-request.
+request's arrival at the gateway to its first content chunk), the gateway's own work before it
+calls the scheduler, tokens returned, requests in flight and clients that left mid-request.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from sluice.common.prom import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+from sluice.common.prom import QUEUE_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 
 PREFIX = "sluice_gateway_"
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -36,6 +36,12 @@ class GatewayMetrics:
             "Arrival at the gateway to the first content chunk sent (streaming requests)",
             ["route"],
             buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.prepare = Histogram(
+            PREFIX + "request_prepare_seconds",
+            "Arrival to the scheduler's Generate calls started (body, fields, template: the gateway's own work)",
+            buckets=QUEUE_BUCKETS,
             registry=r,
         )
         self.tokens = Counter(PREFIX + "generation_tokens", "Completion tokens returned to clients", registry=r)
