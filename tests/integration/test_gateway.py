@@ -418,7 +418,8 @@ async def test_unknown_model_route_and_method_are_404_and_405_and_bodies_are_che
 
 
 async def test_queue_full_is_429_with_retry_after_queue_timeout_504_and_no_worker_503() -> None:
-    """One sequence at a time, one waiting, a 1.5 s queue timeout, slow echo steps."""
+    """One sequence at a time, one waiting, a 1.5 s queue timeout, slow echo steps; then the
+    worker goes, mid-stream."""
     cfg = LiveConfig(num_gpu_blocks=256, max_num_seqs=1, max_waiting=1, queue_timeout_s=1.5, retry_after_s=0.2)
     stack, parts = await start_stack(cfg, GatewayConfig(port=0, api_key=KEY), step_time_s=0.01)
     try:
@@ -445,8 +446,20 @@ async def test_queue_full_is_429_with_retry_after_queue_timeout_504_and_no_worke
                 await running
             await wait_idle(stack.grpc)
 
+            # a stream cut after its first tokens (the only worker goes) ends with an error
+            # event and no [DONE]
             worker = parts[0]
-            await worker.server.stop(None)
+            lines = []
+            async with http.stream("POST", url, json={**body, "stream": True}, headers=AUTH) as cut:
+                assert cut.status_code == 200
+                async for line in cut.aiter_lines():
+                    lines.append(line)
+                    if len(lines) == 4:
+                        await worker.server.stop(None)
+            events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+            assert "[DONE]" not in events and len(events) >= 2
+            error = json.loads(events[-1])["error"]
+            assert (error["code"], error["type"]) == ("service_unavailable", "server_error"), error
             while (await http.get(stack.base + "/health")).status_code != 503:
                 await asyncio.sleep(0.05)
             code, line = await asyncio.to_thread(check_http, str(stack.gateway.port), "/health")
