@@ -33,6 +33,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the rounds and the summary here")
     args = p.parse_args(argv)
 
-    log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
+    log_dir = Path(tempfile.gettempdir())
     worker: WorkerProcess = spawn_worker(engine="echo", log_dir=log_dir)
     processes: list[subprocess.Popen] = []
     try:
