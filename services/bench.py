@@ -1,5 +1,7 @@
 """`sluice bench`: live load from a trace against a running scheduler, measured by the client,
-reported with the simulator's metric definitions.
+reported with the simulator's metric definitions. `--backend openai --base-url URL` sends the
+same requests, at the same arrival times, to any OpenAI-compatible server instead
+(services/bench_openai.py): `sluice serve` over HTTP, `vllm serve`, SGLang ...
 
     load_trace (+ apply_arrivals / SLOs) --prepare_requests--> BenchRequests (lengths clipped
         to the server's max_model_len; token-id prompts, or the trace's text)
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from scheduler_service.core.slo import SLOSpec
     from scheduler_service.sim.simulator import SimRun
     from scheduler_service.sim.workloads import Workload
+    from services.bench_openai import OpenAIBench
     from sluice.common.client import SluiceClient, Timings
 
 DEFAULT_TARGET = os.environ.get("SLUICE_TARGET", "127.0.0.1:50051")
@@ -48,6 +51,7 @@ PROMPT_TOKEN_BASE = 1000  # synthetic prompt ids cycle through [1000, 2000): val
 PROMPT_TOKEN_SPAN = 1000
 SERVER_ONLY_METRICS = ("compute_util_mean", "kv_util_mean", "kv_used_mean", "kv_alloc_failures", "load_imbalance_s")
 PROMPT_SOURCES = ("auto", "tokens", "text")
+BACKENDS = ("grpc", "openai")
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +172,7 @@ async def _send(client: SluiceClient, record: RequestRecord, t0: float, timeout:
 
 
 async def run_requests(
-    client: SluiceClient,
+    client: SluiceClient | OpenAIBench,
     requests: Sequence[BenchRequest],
     *,
     concurrency: int | None = None,
@@ -179,12 +183,17 @@ async def run_requests(
     returns their records in the order given."""
     from tqdm import tqdm
 
+    from sluice.common.client import SluiceClient
+
     records = [RequestRecord(r) for r in requests]
     bar = tqdm(total=len(records), desc="bench", unit="req", disable=not progress, leave=False)
     t0 = time.perf_counter()
 
     async def send(record: RequestRecord) -> None:
-        await _send(client, record, t0, timeout)
+        if isinstance(client, SluiceClient):
+            await _send(client, record, t0, timeout)
+        else:
+            await client.send(record, t0, timeout)
         bar.update(1)
 
     if concurrency is not None:
@@ -307,6 +316,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--target", default=DEFAULT_TARGET, help="scheduler HOST:PORT (default $SLUICE_TARGET or %(default)s)"
     )
+    p.add_argument(
+        "--backend",
+        default="grpc",
+        choices=BACKENDS,
+        help="grpc: the scheduler's Generation API at --target; openai: POST /v1/completions at --base-url",
+    )
+    p.add_argument("--base-url", help="openai backend: the API's base URL, like http://127.0.0.1:8000/v1")
+    p.add_argument("--model", help="openai backend: the model to ask for (default: the first the server lists)")
+    p.add_argument(
+        "--max-model-len", type=int, help="openai backend: the context length, where /v1/models does not list it"
+    )
     p.add_argument("--trace", required=True, help="a shared trace name, a synthetic workload name, or a file path")
     p.add_argument("--num-requests", type=int, default=100)
     mode = p.add_mutually_exclusive_group()
@@ -355,34 +375,76 @@ def _max_tokens_policy(args: argparse.Namespace) -> str:
     return f"max_tokens = the context left after the prompt{cap}; the model stops at EOS; no predicted length sent"
 
 
-async def _bench(args: argparse.Namespace) -> int:
-    from scheduler_service.sim.report import format_table, write_json
+@dataclass(frozen=True)
+class Served:
+    """What the bench knows of the server it loads."""
+
+    target: str
+    model: str
+    policy: str
+    router: str | None
+    num_workers: int | None
+    max_model_len: int
+
+
+async def _load(
+    args: argparse.Namespace, workload: Workload
+) -> tuple[Served, list[BenchRequest], list[RequestRecord], float]:
+    """Prepares the requests for the server's context and runs them against it."""
     from sluice.common.client import SluiceClient
 
-    workload = _workload(args)
-    length_source = "oracle" if args.oracle_lengths else "max_tokens"
-    print(f"length source: {length_source} ({_max_tokens_policy(args)})")
-    async with SluiceClient(args.target, security=client_security_from(args)) as client:
-        info = await client.server_info()
-        requests = prepare_requests(
+    def prepare(max_model_len: int) -> list[BenchRequest]:
+        return prepare_requests(
             workload,
-            info.max_model_len,
+            max_model_len,
             max_tokens=args.max_tokens,
             prompt_source=args.prompt_source,
             oracle_lengths=args.oracle_lengths,
         )
+
+    security = client_security_from(args)
+    client: SluiceClient | OpenAIBench
+    if args.backend == "openai":
+        from services.bench_openai import OpenAIBench
+
+        if not args.base_url:
+            raise ValueError("--backend openai needs --base-url (like http://127.0.0.1:8000/v1)")
+        client = OpenAIBench(args.base_url, security.api_key, args.model)
+        async with client:
+            model, context = await client.describe(args.max_model_len)
+            served = Served(args.base_url, model, "openai-api", None, None, context)
+            requests = prepare(context)
+            start = time.perf_counter()
+            records = await run_requests(
+                client, requests, concurrency=args.concurrency, timeout=args.timeout, progress=not args.no_progress
+            )
+            return served, requests, records, time.perf_counter() - start
+    async with SluiceClient(args.target, security=security) as client:
+        info = await client.server_info()
+        served = Served(args.target, info.model, info.policy, info.router, len(info.workers), info.max_model_len)
+        requests = prepare(info.max_model_len)
         start = time.perf_counter()
         records = await run_requests(
             client, requests, concurrency=args.concurrency, timeout=args.timeout, progress=not args.no_progress
         )
-        wall = time.perf_counter() - start
+        return served, requests, records, time.perf_counter() - start
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    from scheduler_service.sim.report import format_table, write_json
+
+    workload = _workload(args)
+    length_source = "oracle" if args.oracle_lengths else "max_tokens"
+    print(f"length source: {length_source} ({_max_tokens_policy(args)})")
+    served, requests, records, wall = await _load(args, workload)
     config = {
         "mode": "live",
-        "target": args.target,
-        "model": info.model,
-        "router": info.router,
-        "num_workers": len(info.workers),
-        "max_model_len": info.max_model_len,
+        "backend": args.backend,
+        "target": served.target,
+        "model": served.model,
+        "router": served.router,
+        "num_workers": served.num_workers,
+        "max_model_len": served.max_model_len,
         "rate": args.rate,
         "concurrency": args.concurrency,
         "seed": args.seed,
@@ -390,8 +452,8 @@ async def _bench(args: argparse.Namespace) -> int:
         "length_source": length_source,
         "max_tokens_policy": _max_tokens_policy(args),
     }
-    run = summarize(records, policy=info.policy, workload=workload.name, config=config)
-    print(f"{workload.name}: {len(requests)} requests against {args.target} ({info.model}, {info.policy})")
+    run = summarize(records, policy=served.policy, workload=workload.name, config=config)
+    print(f"{workload.name}: {len(requests)} requests against {served.target} ({served.model}, {served.policy})")
     print(format_table([run]))
     rejected = run.details["rejected_by_reason"]
     if rejected:

@@ -8,6 +8,7 @@
     sluice worker --model tiny-llama --port 50061
     sluice serve --workers 2 --policy sarathi --demo
     sluice scheduler --worker 127.0.0.1:50061 --worker 127.0.0.1:50062 --port 50051
+    sluice gateway --scheduler 127.0.0.1:50051 --port 8000   # the OpenAI HTTP API
     sluice predictor serve --port 50071
     sluice certs --out certs --host sluice.internal     # a dev CA and mTLS certificates
 """
@@ -150,7 +151,9 @@ def _delegate(module: str) -> Any:
 
 
 def _serve_commands(sub: argparse._SubParsersAction) -> None:
-    """`serve` (workers as subprocesses + the scheduler) and `scheduler` (against running workers)."""
+    """`serve` (workers as subprocesses + the scheduler), `scheduler` (against running workers)
+    and `gateway` (the OpenAI HTTP API in front of a scheduler)."""
+    from gateway_service import server as gateway_server
     from services import serve
 
     p = sub.add_parser("serve", help="start the scheduler and N workers; --demo replays a trace against them")
@@ -159,6 +162,9 @@ def _serve_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("scheduler", help="run the scheduler service against running workers")
     serve.add_serve_arguments(p, workers=False)
     p.set_defaults(func=serve.cmd_scheduler)
+    p = sub.add_parser("gateway", help="serve the OpenAI HTTP API in front of a running scheduler")
+    gateway_server.add_arguments(p)
+    p.set_defaults(func=gateway_server.cmd_gateway)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,13 +1,15 @@
 """`sluice serve` (workers as subprocesses + the scheduler in this process) and
 `sluice scheduler` (the scheduler alone, against running workers).
 
-    sluice serve [--config FILE] [--workers K] [--policy P] [--model M] [--port N] [--demo]
+    sluice serve [--config FILE] [--workers K] [--policy P] [--model M] [--port N] [--http-port H] [--demo]
         spawn K `sluice worker --port 0` processes on loopback -> read "listening on HOST:PORT"
         from each -> wait for their liveness health -> LiveScheduler + SchedulerServer
         (Warmup, loops) -> print where it listens -> serve until SIGINT/SIGTERM (or, with
         --demo, replay a trace slice against itself with a progress bar and print the
         metrics table) -> graceful shutdown: health NOT_SERVING, in-flight streams get a
         grace period, then the workers get SIGTERM (SIGKILL if they linger)
+        --http-port H (on a free port with --demo): `sluice gateway` as a child process, the
+        OpenAI HTTP API in front of this scheduler (gateway_service/), stopped first at shutdown
         Supervisor: a worker that exits is logged with its exit code and the last lines of
         its stderr, and started again after a backoff (doubling up to restart_max_s) on the
         same port, so the scheduler's reconnect finds it; when that port is taken it starts
@@ -100,6 +102,11 @@ class ServeConfig(SchedulerServiceConfig):
     """`sluice serve`: the scheduler plus the worker processes it starts."""
 
     workers: int = opt(2, "worker processes to start (mixed: each prefills and decodes)")
+    http_port: int | None = opt(
+        None,
+        "also serve the OpenAI HTTP API (`sluice gateway`) on this port of host (0 picks a free one); "
+        "none: not served, except with --demo (on a free port)",
+    )
     prefill_workers: int = opt(0, "disaggregated: prefill-only workers to start (with --decode-workers; not --workers)")
     decode_workers: int = opt(0, "disaggregated: decode-only workers to start (with --prefill-workers)")
     model: str = opt("tiny-llama", "model preset or checkpoint folder of the workers")
@@ -175,7 +182,7 @@ class WorkerProcess:
 
     @property
     def name(self) -> str:
-        return f"worker {self.worker_id}" if self.worker_id >= 0 else "predictor"
+        return f"worker {self.worker_id}" if self.worker_id >= 0 else _CHILD_NAMES[self.worker_id]
 
 
 def worker_roles(cfg: ServeConfig) -> list[str]:
@@ -275,6 +282,8 @@ async def spawn_process(
 
 
 PREDICTOR_ID = -1
+GATEWAY_ID = -2
+_CHILD_NAMES = {PREDICTOR_ID: "predictor", GATEWAY_ID: "gateway"}
 
 
 def predictor_command(cfg: ServeConfig) -> list[str]:
@@ -318,6 +327,44 @@ async def start_predictor(cfg: ServeConfig) -> WorkerProcess | None:
     except BaseException:
         await stop_workers([child])
         raise
+    return child
+
+
+def gateway_command(cfg: SchedulerServiceConfig, scheduler_port: int, http_port: int) -> list[str]:
+    """`sluice gateway` in front of this scheduler: on `host` (loopback by default) like the
+    scheduler, with the same TLS files (dialling the scheduler over TLS when it serves TLS)."""
+    local = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+    cmd = [sys.executable, "-m", "services.cli", "gateway", "--host", cfg.host, "--port", str(http_port)]
+    cmd += ["--scheduler", f"{local}:{scheduler_port}"]
+    for flag, path in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key), ("--tls-ca", cfg.tls_ca)):
+        if path:
+            cmd += [flag, path]
+    if cfg.tls_cert:
+        cmd.append("--scheduler-tls")
+    return cmd
+
+
+def gateway_environment(cfg: SchedulerServiceConfig) -> dict[str, str]:
+    """The API keys in the environment (not on a command line others can read): the gateway
+    accepts the scheduler's keys and presents the first to the scheduler."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_DATA_DIR"}
+    keys = split_keys(cfg.api_key)
+    if keys:
+        env["SLUICE_API_KEY"] = ",".join(keys)
+        env["SLUICE_SCHEDULER_API_KEY"] = keys[0]
+    return env
+
+
+async def start_gateway(cfg: ServeConfig, scheduler_port: int, http_port: int) -> WorkerProcess:
+    """The OpenAI HTTP gateway as a child process (its own core for HTTP and JSON, off the
+    scheduler's event loop), ready once it prints where it listens."""
+    child = await spawn_process(gateway_command(cfg, scheduler_port, http_port), gateway_environment(cfg), GATEWAY_ID)
+    try:
+        child.address = await _listening_address(child, cfg.worker_start_timeout_s)
+    except BaseException:
+        await stop_workers([child])
+        raise
+    child._drains.append(asyncio.create_task(_drain_output(child)))
     return child
 
 
@@ -534,6 +581,7 @@ async def _until(stop: asyncio.Event, work: Any) -> None:
 
 async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
     stop = _stop_event()
+    http_port = 0 if cfg.http_port is None and demo is not None else cfg.http_port
     roles = worker_roles(cfg)
     split = "" if roles[0] == "mixed" else f" ({cfg.prefill_workers} prefill, {cfg.decode_workers} decode)"
     print(f"starting {len(roles)} {cfg.model} workers{split} on {cfg.device} ...", flush=True)
@@ -548,6 +596,7 @@ async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
         server = await start_scheduler(cfg, [w.address for w in supervisor.workers])
         supervisor.on_address = server.live.readdress
         supervisor.start()
+        gateway = None
         try:
             where = ", ".join(w.address for w in supervisor.workers)
             print(
@@ -555,9 +604,15 @@ async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
                 f"(policy {cfg.policy}, router {cfg.router}, model {cfg.model}; workers {where}) [{_describe(server)}]",
                 flush=True,
             )
+            if http_port is not None:
+                gateway = await start_gateway(cfg, server.port, http_port)
+                scheme = "https" if cfg.tls_cert else "http"
+                print(f"sluice OpenAI API at {scheme}://{gateway.address}/v1 (model {cfg.model})", flush=True)
             await _until(stop, run_demo(server, cfg, demo) if demo else stop.wait())
         finally:
             print("sluice shutting down", flush=True)
+            if gateway is not None:
+                await stop_workers([gateway])  # HTTP first: no new request reaches a stopping scheduler
             await server.stop(cfg.grace_s)
     finally:
         await supervisor.stop()

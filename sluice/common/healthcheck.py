@@ -12,6 +12,11 @@ in the same container its `--port`, so an image's HEALTHCHECK needs no shell to 
 readiness (`GrpcServer` sets it SERVING only while the service can serve). One line goes to
 stdout or stderr saying what was seen, so `docker inspect` shows why a container is unhealthy.
 Kubernetes needs none of this: its native `grpc:` probes call the same Health service.
+
+    python -m sluice.common.healthcheck --http /health     # the HTTP gateway's image
+        -> GET http://127.0.0.1:$SLUICE_PORT/health (https when SLUICE_TLS_CERT is set: the
+           probe reaches its own container, so the certificate is not checked)
+        -> exit 0: 200   1: another status (503: no worker ready)   2: no answer
 """
 
 from __future__ import annotations
@@ -45,6 +50,23 @@ def check(target: str, service: str = "", timeout_s: float = 3.0) -> tuple[int, 
     return code, f"{target} {service or '(liveness)'}: {status}"
 
 
+def check_http(port: str, path: str, timeout_s: float = 3.0, tls: bool = False) -> tuple[int, str]:
+    """(exit code, one line) for GET `path` on this container's HTTP port."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}{path}"
+    context = ssl._create_unverified_context() if tls else None  # our own container
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as resp:
+            return EXIT_SERVING, f"{url}: {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return EXIT_NOT_SERVING, f"{url}: {exc.code} {exc.read(200).decode(errors='replace')}"
+    except OSError as exc:
+        return EXIT_NO_ANSWER, f"{url}: no answer ({exc})"
+
+
 def _details(exc: grpc.RpcError) -> str:
     return exc.details() if isinstance(exc, grpc.Call) else str(exc)
 
@@ -54,8 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", help="HOST:PORT of the gRPC server (default 127.0.0.1:$SLUICE_PORT)")
     parser.add_argument("--service", default="", help='service name for readiness; "" (default) for liveness')
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    parser.add_argument("--http", metavar="PATH", help="probe GET PATH over HTTP on 127.0.0.1:$SLUICE_PORT instead")
     args = parser.parse_args(argv)
     port = os.environ.get(PORT_ENV)
+    if args.http is not None:
+        if not port:
+            parser.error(f"--http needs {PORT_ENV}")
+        code, line = check_http(port, args.http, args.timeout, tls=bool(os.environ.get("SLUICE_TLS_CERT")))
+        print(line, file=sys.stdout if code == EXIT_SERVING else sys.stderr)
+        return code
     if args.target is None and not port:
         parser.error(f"give --target HOST:PORT or set {PORT_ENV}")
     code, line = check(args.target or f"127.0.0.1:{port}", args.service, args.timeout)

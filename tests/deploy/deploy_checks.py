@@ -19,7 +19,19 @@ ENV_ONLY = {"SLUICE_CACHE_DIR", "SLUICE_DATA_DIR"}
 # Flags a manifest may already set before the command has them; none are left.
 PENDING_FLAGS: dict[tuple[str, ...], set[str]] = {}
 # The `sluice` command each image runs (its ENTRYPOINT), by image name without the variant.
-IMAGE_COMMANDS = {"scheduler": ("scheduler",), "worker": ("worker",), "predictor": ("predictor", "serve")}
+IMAGE_COMMANDS = {
+    "scheduler": ("scheduler",),
+    "worker": ("worker",),
+    "predictor": ("predictor", "serve"),
+    "gateway": ("gateway",),
+}
+
+
+def probe_command(check: str) -> list[str]:
+    """The image's health check command: a gRPC service's health (its name, "" for liveness),
+    or for the HTTP gateway a path (starting with /) asked over HTTP."""
+    flag = ["--http", check] if check.startswith("/") else ["--service", check]
+    return ["python", "-m", "sluice.common.healthcheck", *flag]
 
 
 def tool(name: str) -> str | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_checks import check_contract, need_tool
+from deploy_checks import check_contract, need_tool, probe_command
 
 from sluice.common.paths import repo_root
 
@@ -23,6 +23,7 @@ SERVICE_NAMES = {
     "scheduler": "sluice.v1.GenerationService",
     "worker": "",
     "predictor": "sluice.v1.PredictorService",
+    "gateway": "/health",  # HTTP: 200 while the scheduler has a worker ready
 }
 
 
@@ -70,6 +71,15 @@ def test_depends_on_names_services_and_health_gates_only_services_with_a_health_
         "predictor",
     }
     assert services["predictor"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert services["gateway"]["depends_on"]["scheduler"]["condition"] == "service_healthy"
+
+
+def test_the_gateway_dials_the_scheduler_at_its_port(compose) -> None:
+    services = compose["services"]
+    assert (
+        services["gateway"]["environment"]["SLUICE_SCHEDULER"]
+        == f"scheduler:{services['scheduler']['environment']['SLUICE_PORT']}"
+    )
 
 
 def test_cpu_workers_by_default_and_gpu_workers_instead_under_the_gpu_profile(compose) -> None:
@@ -109,9 +119,7 @@ def test_every_sluice_service_listens_beyond_loopback_and_checks_its_own_readine
     for name, service in sluice_services(compose).items():
         env = service["environment"]
         assert env["SLUICE_HOST"] == "0.0.0.0", name
-        assert service["healthcheck"]["test"] == [
-            "CMD", "python", "-m", "sluice.common.healthcheck", "--service", SERVICE_NAMES[kind(service)]
-        ], name  # fmt: skip
+        assert service["healthcheck"]["test"] == ["CMD", *probe_command(SERVICE_NAMES[kind(service)])], name
         assert (repo_root() / service["build"]["dockerfile"]).is_file(), name
         assert service["image"].split(":")[0] == "sluice-" + Path(service["build"]["dockerfile"]).stem
 
@@ -132,8 +140,9 @@ def test_traces_go_to_the_collector_and_on_to_jaeger(compose) -> None:
 def test_prometheus_scrapes_every_sluice_service_at_its_metrics_port(compose) -> None:
     config = yaml.safe_load((repo_root() / "deploy" / "prometheus" / "prometheus.yml").read_text())
     scraped = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    # NOTE: the gateway has no metrics port of its own: its /metrics is on its HTTP port
     expected = {
-        f"{name}:{s['environment']['SLUICE_METRICS_PORT']}"
+        f"{name}:{s['environment'].get('SLUICE_METRICS_PORT') or s['environment']['SLUICE_PORT']}"
         for name, s in sluice_services(compose).items()
         if s.get("profiles", ["cpu"]) == ["cpu"]  # the GPU workers answer to the CPU workers' names
     }

@@ -13,15 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from deploy_checks import need_tool
+from deploy_checks import need_tool, probe_command
 
 from sluice.common.paths import repo_root
 
 DOCKER_DIR = repo_root() / "deploy" / "docker"
 # image -> (service its health check asks for, `sluice` subcommand of its entrypoint); workers
 # answer liveness (""): their readiness needs the scheduler's Warmup, which waits for the check.
+# The gateway speaks HTTP: its check asks GET /health.
 IMAGES = {
     "scheduler": ("sluice.v1.GenerationService", ["scheduler"]),
+    "gateway": ("/health", ["gateway"]),
     "worker-cpu": ("", ["worker"]),
     "worker-cuda": ("", ["worker"]),
     "predictor-cpu": ("sluice.v1.PredictorService", ["predictor", "serve"]),
@@ -129,7 +131,7 @@ def test_health_check_asks_the_python_probe_for_the_services_readiness(name: str
     exec_form = re.search(r"CMD (\[.*\])$", checks[0].args)
     assert exec_form is not None, "exec form: no shell needed"
     command = json.loads(exec_form.group(1))
-    assert command == ["python", "-m", "sluice.common.healthcheck", "--service", service]
+    assert command == probe_command(service)
     env = " ".join(i.args for i in final if i.keyword == "ENV")
     assert re.search(r"\bSLUICE_PORT=\d+", env), "the probe's port comes from SLUICE_PORT"
     assert "SLUICE_HOST=0.0.0.0" in env, "the service listens beyond loopback in a container"
@@ -142,7 +144,7 @@ def test_the_entrypoint_is_the_sluice_command_of_the_service(name: str) -> None:
     assert len(entry) == 1 and json.loads(entry[0].args) == ["sluice", *subcommand]
 
 
-@pytest.mark.parametrize("name", ["scheduler", "predictor-cpu", "predictor-cuda"])
+@pytest.mark.parametrize("name", ["scheduler", "gateway", "predictor-cpu", "predictor-cuda"])
 def test_scheduler_and_predictor_images_install_no_torch(name: str) -> None:
     installs = pip_installs(venv_stage(docker(name)))
     assert installs
@@ -195,7 +197,7 @@ def test_predictor_images_carry_a_model_exported_in_a_torch_stage_that_is_left_b
     assert "SLUICE_MODEL=/opt/sluice/predictor-model" in " ".join(i.args for i in final if i.keyword == "ENV")
 
 
-@pytest.mark.parametrize("name", ["scheduler", "worker-cpu", "predictor-cpu"])
+@pytest.mark.parametrize("name", ["scheduler", "gateway", "worker-cpu", "predictor-cpu"])
 def test_cpu_images_are_slim_python_3_11(name: str) -> None:
     assert set(base_images(docker(name))) == {"python:3.11-slim-bookworm"}
 

@@ -200,6 +200,43 @@ def test_every_variable_is_a_flag_of_the_containers_command(overlay) -> None:
     check_contract(services)
 
 
+def test_the_gateway_is_a_stateless_http_deployment_wired_to_the_scheduler(overlay) -> None:
+    objs = objects(overlay[1])
+    deployment = objs["Deployment", "sluice-gateway"]
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = config_of(objs, container)
+    port = int(env["SLUICE_PORT"])
+    scheduler = objs["Service", "sluice-scheduler"]["spec"]["ports"][0]["port"]
+    assert env["SLUICE_SCHEDULER"] == f"sluice-scheduler:{scheduler}" and env["SLUICE_HOST"] == "0.0.0.0"
+    assert container["ports"] == [{"name": "http", "containerPort": port}]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["livenessProbe"]["tcpSocket"] == {"port": "http"}, "a scheduler restart restarts no gateway"
+    notes = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert (notes["prometheus.io/port"], notes["prometheus.io/path"]) == (str(port), "/metrics")
+    assert pod["securityContext"]["runAsUser"] == USER_ID and pod["securityContext"]["runAsNonRoot"] is True
+    key = {e["name"]: e for e in container["env"]}["SLUICE_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert key["key"] == "api-key", "the same key as the scheduler's gRPC API"
+    service = objs["Service", "sluice-gateway"]["spec"]
+    assert service["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert container["image"].startswith("sluice-gateway:")
+    assert (repo_root() / "deploy" / "docker" / "gateway.Dockerfile").is_file()
+    check_contract([(IMAGE_COMMANDS["gateway"], set(env))])
+
+
+def test_the_tls_component_serves_the_gateway_over_https_and_dials_the_scheduler_over_tls(tmp_path: Path) -> None:
+    base = os.path.relpath(K8S / "overlays" / "cpu", tmp_path)
+    component = os.path.relpath(K8S / "components" / "tls", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(f"resources: [{base}]\ncomponents: [{component}]\n")
+    objs = objects(render(tmp_path))
+    container = objs["Deployment", "sluice-gateway"]["spec"]["template"]["spec"]["containers"][0]
+    env = config_of(objs, container)
+    assert (env["SLUICE_TLS_CERT"], env["SLUICE_TLS_KEY"]) == ("/etc/sluice/tls/tls.crt", "/etc/sluice/tls/tls.key")
+    assert "SLUICE_TLS_CA" not in env, "HTTPS clients show the API key, not a certificate: probes can reach it"
+    assert (env["SLUICE_SCHEDULER_TLS"], env["SLUICE_SCHEDULER_TLS_CA"]) == ("true", "/etc/sluice/tls/ca.crt")
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+
+
 def test_the_tls_component_points_every_service_at_the_mounted_secret_files(tmp_path: Path) -> None:
     base = os.path.relpath(K8S / "overlays" / "cpu", tmp_path)
     component = os.path.relpath(K8S / "components" / "tls", tmp_path)

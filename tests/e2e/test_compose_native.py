@@ -1,5 +1,6 @@
 """docker-compose.yml run without a container engine: every service of the default profile
-started natively from what the file and the images say, then `sluice bench` through it, so
+started natively from what the file and the images say, then `sluice bench` through it (over
+gRPC, and over the gateway's OpenAI API with `--backend openai`), so
 the wiring in the file (addresses, ports, variables, health checks, start order) is proven
 where no Docker exists.
 
@@ -286,7 +287,9 @@ async def test_the_compose_stack_started_natively_serves_a_bench(tmp_path: Path)
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server is not installed: the compose file's redis cannot run natively here")
     stack = NativeStack(tmp_path)
-    assert {"redis", "predictor", "worker-1", "worker-2", "scheduler", "otel-collector"} <= set(stack.services)
+    assert {"redis", "predictor", "worker-1", "worker-2", "scheduler", "gateway", "otel-collector"} <= set(
+        stack.services
+    )
     assert not any(name.endswith("-gpu") for name in stack.services), "the default profile starts CPU workers"
     # the predictor image's build step, natively: the model with its encoder exported to ONNX
     model = stack.paths["/opt/sluice/predictor-model"]
@@ -347,6 +350,24 @@ async def test_the_compose_stack_started_natively_serves_a_bench(tmp_path: Path)
             ["redis-cli", "-p", str(stack.ports["redis", 6379]), "dbsize"], capture_output=True, text=True
         )
         assert int(keys.stdout.strip()) > 0, "the predictor wrote to Redis"
+
+        # the same through the gateway's OpenAI API, as a client outside would reach it
+        gateway = stack.address("gateway", int(stack.envs["gateway"]["SLUICE_PORT"]))
+        http_out = tmp_path / "bench-http.json"
+        bench = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.cli", "bench", "--backend", "openai", "--base-url",
+            f"http://{gateway}/v1", "--trace", "azure-conv", "--rate", "4", "--num-requests", str(NUM_REQUESTS),
+            "--max-tokens", "16", "--json", str(http_out), "--no-progress", cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        output, _ = await asyncio.wait_for(bench.communicate(), timeout=240)
+        assert bench.returncode == 0, output.decode()[-3000:]
+        metrics = json.loads(http_out.read_text())["metrics"]
+        assert metrics["num_requests"] == NUM_REQUESTS and metrics["num_finished"] == NUM_REQUESTS, metrics
+
+        assert metric_sum(scrape(gateway), "sluice_gateway_requests_total") == NUM_REQUESTS
+        scheduler_page = scrape(stack.address("scheduler", 9400))
+        assert metric_sum(scheduler_page, "sluice_request_success_total") == 2 * NUM_REQUESTS
     finally:
         # in a thread: the services flush their last spans as they exit, and the receiver
         # answering them runs on this event loop, which a blocking wait would stall
@@ -354,4 +375,4 @@ async def test_the_compose_stack_started_natively_serves_a_bench(tmp_path: Path)
         if receiver is not None:
             # spans are exported in batches and flushed when each service exits
             await receiver.stop(grace=1.0)
-    assert {"sluice-scheduler", "sluice-worker", "sluice-predictor"} <= spans_from, spans_from
+    assert {"sluice-scheduler", "sluice-worker", "sluice-predictor", "sluice-gateway"} <= spans_from, spans_from

@@ -1,7 +1,8 @@
-"""The whole stack as processes: `sluice serve` starts, prints where it listens, serves and
-shuts down on SIGINT leaving no worker behind (with the worker and the predictor pinned to
-CPUs of their own where there are 2); and a worker process killed with SIGKILL
-mid-run leaves every admitted request finished on the other worker."""
+"""The whole stack as processes: `sluice serve` starts, prints where it listens (gRPC, and the
+OpenAI HTTP API of its gateway child), serves both and shuts down on SIGINT leaving no worker
+behind (with the worker and the predictor pinned to CPUs of their own where there are 2); and a
+worker process killed with SIGKILL mid-run leaves every admitted request finished on the other
+worker."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import signal
 import sys
 
 import grpc
+import openai
 import pytest
 
 from scheduler_service.live.config import LiveConfig
@@ -66,7 +68,7 @@ def _pinning() -> tuple[list[str], dict[str, set[int]]]:
 async def test_sluice_serve_listens_serves_and_stops_cleanly_on_sigint() -> None:
     pin_flags, pinned = _pinning()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--workers", "1", "--port", "0", "--num-gpu-blocks", "64"]
-    cmd += pin_flags
+    cmd += [*pin_flags, "--http-port", "0"]
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     assert proc.stdout is not None
     try:
@@ -76,6 +78,13 @@ async def test_sluice_serve_listens_serves_and_stops_cleanly_on_sigint() -> None
             assert line, "sluice serve exited before listening"
         match = re.search(r"listening on ([\d.]+):(\d+) .*workers ([\d.:]+)\)", line)
         assert match, line
+        api = (await asyncio.wait_for(proc.stdout.readline(), timeout=60)).decode()
+        base_url = re.search(r"OpenAI API at (http://[\d.]+:\d+/v1)", api)
+        assert base_url, api
+        chat = await openai.AsyncOpenAI(base_url=base_url.group(1), api_key="none").chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "Hello"}], max_tokens=4
+        )
+        assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens <= 4
         async with grpc.aio.insecure_channel(f"{match.group(1)}:{match.group(2)}") as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
             tokens = await asyncio.gather(*(_collect(stub, i, 8) for i in range(4)))
@@ -84,6 +93,7 @@ async def test_sluice_serve_listens_serves_and_stops_cleanly_on_sigint() -> None
         assert [w.address for w in info.workers] == [match.group(3)]
         # the worker and the predictor, started with the flags, run on the CPUs they name
         children = _children(proc.pid)
+        assert any(" gateway " in line for line in children.values()), children
         for role, cpus in pinned.items():
             pids = [pid for pid, line in children.items() if role in line]
             assert len(pids) == 1, (role, children)

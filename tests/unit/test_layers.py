@@ -1,7 +1,7 @@
 """The layers of docs/ARCHITECTURE.md hold: each package imports only what lies below it.
 
     services/                          may import everything
-    scheduler_service/  worker_service/  predictor_service/   side by side, never each other
+    scheduler_service/  worker_service/  predictor_service/  gateway_service/   side by side, never each other
     kvstore/                           accounting (pure Python) and paged (torch)
     sluice/                            the ground floor: contracts and plumbing, no service
 
@@ -17,15 +17,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = ("scheduler_service", "worker_service", "predictor_service")
+SERVICES = ("scheduler_service", "worker_service", "predictor_service", "gateway_service")
 
 # package -> top-level packages it must never import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "sluice": ("services", *SERVICES, "kvstore"),
     "kvstore": ("services", *SERVICES),
-    "scheduler_service": ("services", "worker_service", "predictor_service", "torch"),
-    "worker_service": ("services", "scheduler_service", "predictor_service"),
-    "predictor_service": ("services", "scheduler_service", "worker_service"),
+    "scheduler_service": ("services", "worker_service", "predictor_service", "gateway_service", "torch"),
+    "worker_service": ("services", "scheduler_service", "predictor_service", "gateway_service"),
+    "predictor_service": ("services", "scheduler_service", "worker_service", "gateway_service"),
+    # the HTTP gateway is a client of the scheduler's public gRPC API, like any other
+    "gateway_service": ("services", "scheduler_service", "worker_service", "predictor_service", "torch", "vllm"),
 }
 
 
