@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_digest import CHECKPOINT_EVERY, all_keys, case_key, load_goldens, run_case  # noqa: E402
+from plan_digest import CHECKPOINT_EVERY, all_keys, case_key, load_goldens, run_case
 
 GOLDENS = load_goldens()
 
@@ -38,8 +38,8 @@ def test_plans_match_the_goldens(policy: str, trace: str, seed: int, overlap: bo
         )
         pytest.fail(
             f"decisions changed from step ~{diverged * CHECKPOINT_EVERY} on: "
-            f"got {({k: v for k, v in got.items() if k != 'checkpoints'})}, "
-            f"want {({k: v for k, v in want.items() if k != 'checkpoints'})}"
+            f"got { ({k: v for k, v in got.items() if k != 'checkpoints'}) }, "
+            f"want { ({k: v for k, v in want.items() if k != 'checkpoints'}) }"
         )
 
 
