@@ -25,7 +25,7 @@ from scheduler_service.core.budget import TokenBudget
 from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.plan_writer import PlanWriter
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
-from scheduler_service.core.prefix import block_hashes
+from scheduler_service.core.prefix import lookup_hashes
 from scheduler_service.core.request import Request, RequestStatus
 from sluice.contract.plan import KVMove, KVMoveKind
 from sluice.contract.profile import BatchShape
@@ -65,6 +65,8 @@ class SchedulerState(Protocol):
     ) -> None: ...
 
     def resume(self, req: Request, now: float, *, table_replaced: bool) -> None: ...
+
+    def flush_blocks(self, req: Request) -> None: ...
 
     def return_to_pool(self, req: Request, now: float) -> None: ...
 
@@ -148,7 +150,7 @@ class StepBuilder:
             return memo[1]
         size = self._block_size
         limit = (request.num_tokens - 1) // size
-        hit = self.kv.lookup_prefix(block_hashes(request, size, limit)) if limit > 0 else []
+        hit = self.kv.lookup_prefix(lookup_hashes(request, size, limit)) if limit > 0 else []
         self._hits[request.request_id] = (evictions, hit)
         return hit
 
@@ -303,6 +305,8 @@ class StepBuilder:
     ) -> None:
         if request.request_id in self.scheduled:
             self.unschedule(request)
+        if mode is PreemptionMode.SWAP:
+            self._sched.flush_blocks(request)  # NOTE: freed GPU blocks keep its KV cached
         if mode is PreemptionMode.SWAP and not self._sched.plans.knows(request.request_id):
             mode = PreemptionMode.RECOMPUTE  # the worker never computed its KV: nothing to copy
         if mode is PreemptionMode.SWAP and not self._swap_out(request):
@@ -348,6 +352,7 @@ class StepBuilder:
         self._sched.return_to_pool(request, self.now)
 
     def shrink_allocation(self, request: Request, num_tokens_kept: int) -> list[int]:
+        self._sched.flush_blocks(request)
         freed = self.kv.free_tail(request.request_id, num_tokens_kept)
         if freed:
             self._sched.plans.replace_table(request.request_id)
@@ -355,6 +360,8 @@ class StepBuilder:
 
     def lend_blocks(self, host: Request, guest: Request, num_blocks: int) -> list[int]:
         """Moves the tail of the host's allocation to the guest (EconoServe KV pipelining)."""
+        self._sched.flush_blocks(host)
+        self._sched.flush_blocks(guest)
         moved = self.kv.transfer_tail(host.request_id, guest.request_id, num_blocks)
         self._sched.plans.replace_table(host.request_id)
         return moved
