@@ -139,8 +139,6 @@ def test_swap_costs_add_a_per_block_copy_cost_and_a_stall_to_each_swapping_step(
     )
     assert cheap.details["swap_bytes"] > 0
     assert costly.metrics["jct_s"]["mean"] > cheap.metrics["jct_s"]["mean"]
-
-
 def test_overlap_hides_the_cpu_overhead_behind_the_previous_step(cost_model: CostModel) -> None:
     """Overlapped scheduling: each step is planned while the previous one runs, so a CPU
     overhead shorter than a step costs only the first step from idle; one extra step (planned
