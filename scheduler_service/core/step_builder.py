@@ -84,6 +84,9 @@ class StepBuilder:
         self.metadata: dict[str, object] = {}
         self.num_preempted = 0
         self._block_mode = scheduler.policy.allocation_mode in (AllocationMode.BLOCK, AllocationMode.RESERVED)
+        # NOTE: max allocation reserves prompt + max_tokens at admission, so its running requests
+        # are covered too, by a target the fast path computes without the general one's calls.
+        self._max_mode = scheduler.policy.allocation_mode is AllocationMode.MAX
         self._tables = scheduler.kv.gpu_tables
         self._block_size = scheduler.kv.block_size
         self._caching = scheduler.kv.prefix_caching
@@ -256,7 +259,7 @@ class StepBuilder:
         per step; a request whose table covers its step (15 decodes in 16 with 16-token
         blocks) is charged here without the general path's calls and lookups. Decisions are
         exactly those of calling `schedule` on each in turn."""
-        if not self._block_mode:
+        if not self._block_mode and not self._max_mode:
             return queue.popleft() if queue else None
         budget, covered = self.budget, self.schedule_if_covered
         while queue:
@@ -279,13 +282,16 @@ class StepBuilder:
         budget, rid = self.budget, request.request_id
         table = self._tables.get(rid)
         computed = request.num_computed_tokens
+        target = computed + num_tokens
+        if self._max_mode:
+            target = max(target, request.num_prompt_tokens + request.max_tokens)  # required_tokens(MAX)
         if (
-            self._block_mode
+            (self._block_mode or self._max_mode)
             and 0 < num_tokens <= request.num_prompt_tokens + request.num_output_tokens - computed
             and (request.status is RequestStatus.DECODING or request.status is RequestStatus.PREFILLING)
             and rid not in self.scheduled
             and table is not None
-            and len(table) * self._block_size >= computed + num_tokens
+            and len(table) * self._block_size >= target
             and budget.num_tokens + num_tokens <= budget.max_tokens
             and budget.num_seqs < budget.max_seqs
         ):
