@@ -79,10 +79,13 @@ def build(policy: str, requests: list[TraceRequest], cost_model: CostModel, runn
     return sched
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.thread_time, the CPU time of this thread
+
+
 def advance(sched: Scheduler, now: float) -> tuple[float, int]:
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     plan = sched.schedule(now)
-    elapsed = time.perf_counter() - t0
+    elapsed = CLOCK() - t0
     sched.on_step_result(StepResult(plan.step_id, dict.fromkeys(plan.sample_ids, 1), total_s=STEP_S), now + STEP_S)
     return elapsed, len(plan.num_scheduled_tokens)
 
@@ -135,7 +138,15 @@ def main() -> None:
     parser.add_argument("--policy", action="append", help="policy spec; repeat (default: every policy)")
     parser.add_argument("--sizes", default="256:10000", help="running:waiting shapes, comma-separated")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every policy and vllm; median ratio")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time per call, or the thread's CPU time (steadier on a shared machine)",
+    )
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     cost_model = build_cost_model("analytic", "llama-2-7b", "a100-80g")
     specs = [BASELINE] + [p for p in (args.policy or POLICIES) if p != BASELINE]
     sizes = [tuple(int(x) for x in s.split(":")) for s in args.sizes.split(",")]
@@ -148,7 +159,9 @@ def main() -> None:
                 for policy in specs:
                     results[policy].append(measure(policy, args.steps, requests, cost_model, running))
                     bar.update(1)
-        tqdm.write(f"\n{running} running, {waiting} waiting, {args.steps} steps, {args.rounds} round(s)")
+        tqdm.write(
+            f"\n{running} running, {waiting} waiting, {args.steps} steps, {args.rounds} round(s), {args.clock} time"
+        )
         tqdm.write(
             f"{'policy':<26} {'mean ms':>8} {'p50 ms':>8} {'p99 ms':>8} {'mean/vllm':>9} {'p99/vllm':>9} "
             f"{'running':>8} {'paused':>7} {'waiting':>8}"

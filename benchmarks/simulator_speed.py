@@ -9,8 +9,9 @@ shared prefixes: every block is unique to its request), and both against a basel
 
 The baseline is `git archive`d into a temporary folder and imported from there; each
 (tree, policy, prefix caching) run is its own subprocess, and the variants are interleaved
-round by round, so a slow minute of a shared machine lands on all of them alike. Printed per
-policy: the median wall time per variant, requests/s, the speedup over the baseline
+round by round, so a slow minute of a shared machine lands on all of them alike (`--clock cpu`
+compares the processes' CPU time instead of wall time, which other jobs on a shared machine
+inflate by whole multiples). Printed per policy: the median time per variant, requests/s, the speedup over the baseline
 (baseline wall / this tree's wall, caching on and off), and the prefix-caching overhead
 (wall on / wall off - 1) of each tree. Both trees make the same decisions
 (tests/sim/test_plan_identity.py); `finished` and `steps` show it per run.
@@ -54,10 +55,11 @@ from scheduler_service.sim.workloads import apply_arrivals, load_trace
 policy, n, rate, caching = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"
 cm = build_cost_model("analytic", "llama-2-7b", "a100-80g")
 wl = apply_arrivals(load_trace("sharegpt", num_requests=n), "poisson", rate=rate, seed=0)
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 run = simulate(SimConfig(policy=policy, max_model_len=8192, prefix_caching=caching), wl, cm)
-wall = time.perf_counter() - t0
-print(json.dumps({"wall": wall, "steps": run.details["num_steps"], "finished": run.metrics["num_finished"]}))
+wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+counts = {"steps": run.details["num_steps"], "finished": run.metrics["num_finished"]}
+print(json.dumps({"wall": wall, "cpu": cpu, **counts}))
 """
 
 
@@ -96,6 +98,12 @@ def main() -> None:
     parser.add_argument("--policy", action="append", help="policy spec; repeat (default: every policy)")
     parser.add_argument("--baseline", default="main", help="git ref to compare with, or 'none'")
     parser.add_argument("--json", type=Path, help="write every run's numbers here")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="what is compared: wall time, or the process's CPU time (steadier on a shared machine)",
+    )
     args = parser.parse_args()
     policies = args.policy or POLICIES
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,8 +119,8 @@ def main() -> None:
                     bar.update(1)
     if args.json:
         args.json.write_text(json.dumps({"|".join(map(str, k)): r for k, r in runs.items()}, indent=1))
-    wall = {k: statistics.median(r["wall"] for r in rs) for k, rs in runs.items()}
-    print(f"{args.num_requests} sharegpt requests, {args.rounds} round(s), median wall s")
+    wall = {k: statistics.median(r[args.clock] for r in rs) for k, rs in runs.items()}
+    print(f"{args.num_requests} sharegpt requests, {args.rounds} round(s), median {args.clock} s")
     head = f"{'policy':<13} {'on s':>7} {'off s':>7} {'req/s':>7} {'APC cost':>9}"
     if "base" in trees:
         head += f" {'base on':>8} {'base off':>8} {'base APC':>9} {'speedup on':>11} {'speedup off':>12} {'same':>5}"
