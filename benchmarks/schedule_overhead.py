@@ -150,7 +150,7 @@ def main() -> None:
     cost_model = build_cost_model("analytic", "llama-2-7b", "a100-80g")
     specs = [BASELINE] + [p for p in (args.policy or POLICIES) if p != BASELINE]
     sizes = [tuple(int(x) for x in s.split(":")) for s in args.sizes.split(",")]
-    means: dict[tuple[str, int], float] = {}
+    means: dict[tuple[str, int, int], float] = {}
     for running, waiting in sizes:
         requests = workload_of(running + waiting, cost_model)
         results: dict[str, list[dict[str, float]]] = {p: [] for p in specs}
@@ -171,7 +171,7 @@ def main() -> None:
             mean_ratio = statistics.median(r["mean"] / b["mean"] for r, b in zip(rs, results[BASELINE], strict=True))
             p99_ratio = statistics.median(r["p99"] / b["p99"] for r, b in zip(rs, results[BASELINE], strict=True))
             mean = statistics.median(r["mean"] for r in rs)
-            means[(policy, running)] = mean
+            means[(policy, running, waiting)] = mean
             last = rs[-1]
             tqdm.write(
                 f"{policy:<26} {mean:8.3f} {statistics.median(r['p50'] for r in rs):8.3f} "
@@ -182,7 +182,7 @@ def main() -> None:
         (r0, w0), (r1, w1) = sizes[0], sizes[-1]
         tqdm.write(f"\ngrowth of the mean from {r0}:{w0} to {r1}:{w1} (queue x{w1 / w0:.0f}, running x{r1 / r0:.1f})")
         for policy in specs:
-            growth = means[(policy, r1)] / means[(policy, r0)]
+            growth = means[(policy, r1, w1)] / means[(policy, r0, w0)]
             verdict = "sub-linear" if growth < w1 / w0 else "NOT sub-linear"
             tqdm.write(f"{policy:<26} x{growth:6.2f}  {verdict}")
 
