@@ -1,19 +1,25 @@
-"""`schedule()` overhead of every policy with 256 running and 10,000 waiting requests
-(targets: p99 under 1 ms for the baselines, under 2 ms for AccelGen and EconoServe).
+"""`schedule()` overhead of every policy with 256 running and 10,000 waiting requests, and
+each policy's ratio to vllm's measured in the same run (targets: mean within 3x of vllm's,
+p99 within 5x); with `--sizes` also at larger shapes, and how each policy's mean grows from
+the first shape to the last (sub-linear in the queue: the growth stays below the queue's).
 
-The queue holds the first 10,256 sharegpt prompts (capped at 2,000 tokens) with the
-AccelGen SLO profile and oracle output lengths, so deadline indexes, length-ordered queues
-and EWT estimates are all exercised; nobody finishes during the measurement (max_tokens
-6,000, no EOS), so every measured step sees the full queue. The pool fits 256 running
-requests even when each reserves prompt + max_tokens (orca, sls), never all 10,256.
+The queue holds the first sharegpt prompts (capped at 2,000 tokens; the trace is repeated
+past its 30,731 requests) with the AccelGen SLO profile and oracle output lengths, so deadline
+indexes, length-ordered queues and EWT estimates are all exercised; nobody finishes during
+the measurement (max_tokens 6,000, no EOS), so every measured step sees the full queue. The
+pool fits the running requests even when each reserves prompt + max_tokens (orca, sls),
+never the whole queue. Policies are measured in turn; `--rounds` repeats the whole sequence
+(vllm included) and reports the median of each policy's per-round ratio.
 
     python benchmarks/schedule_overhead.py --steps 300
+    python benchmarks/schedule_overhead.py --steps 100 --sizes 256:10000,1000:100000
     python benchmarks/schedule_overhead.py --policy vllm --policy accelgen:batch=false
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
@@ -27,11 +33,11 @@ from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.slo_profiles import apply_slo_profile
 from scheduler_service.sim.workloads import TraceRequest, load_trace
+from scheduler_service.sim.workloads.base import Workload
 from sluice.contract.plan import StepResult
 from sluice.contract.sampling import SamplingParams
 
 POLICIES = [
-    "vllm",
     "vllm_chunked",
     "sarathi:budget=512",
     "orca:max_batch_size=256",
@@ -42,21 +48,22 @@ POLICIES = [
     "fastserve",
     "scls:batch_size=256",
 ]
+BASELINE = "vllm"
 RUNNING = 256
 BLOCK_SIZE = 16
-NUM_BLOCKS = RUNNING * 520
+BLOCKS_PER_RUNNING = 520
 STEP_S = 0.02
 
 
-def build(policy: str, requests: list[TraceRequest], cost_model: CostModel) -> Scheduler:
+def build(policy: str, requests: list[TraceRequest], cost_model: CostModel, running: int = RUNNING) -> Scheduler:
     spec = ClusterSpec(
-        policy=policy,
-        workers=(WorkerSpec(NUM_BLOCKS, 4096, BLOCK_SIZE),),
+        policy=_sized(policy, running),
+        workers=(WorkerSpec(running * BLOCKS_PER_RUNNING, 4096, BLOCK_SIZE),),
         cost_model=cost_model,
         max_model_len=8192,
-        max_num_seqs=RUNNING,
+        max_num_seqs=running,
         max_num_batched_tokens=8192,
-        max_waiting=20_000,
+        max_waiting=len(requests) + 1,
     )
     sched = build_cluster(spec).schedulers[0]
     for i, tr in enumerate(requests):
@@ -72,18 +79,26 @@ def build(policy: str, requests: list[TraceRequest], cost_model: CostModel) -> S
     return sched
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.thread_time, the CPU time of this thread
+
+
 def advance(sched: Scheduler, now: float) -> tuple[float, int]:
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     plan = sched.schedule(now)
-    elapsed = time.perf_counter() - t0
+    elapsed = CLOCK() - t0
     sched.on_step_result(StepResult(plan.step_id, dict.fromkeys(plan.sample_ids, 1), total_s=STEP_S), now + STEP_S)
     return elapsed, len(plan.num_scheduled_tokens)
 
 
-def fill(sched: Scheduler) -> float:
-    """Steps until 256 requests run (or admission stalls); returns the virtual time."""
+def _sized(policy: str, running: int) -> str:
+    """Batch-size options written for 256 running follow the shape (orca, sls, scls)."""
+    return policy.replace(f"={RUNNING}", f"={running}") if running != RUNNING else policy
+
+
+def fill(sched: Scheduler, running: int = RUNNING) -> float:
+    """Steps until `running` requests run (or admission stalls); returns the virtual time."""
     now, idle = 0.0, 0
-    while len(sched.running) < RUNNING and sched.waiting and idle < 50:
+    while len(sched.running) < running and sched.waiting and idle < 50:
         before = len(sched.running)
         _, scheduled = advance(sched, now)
         now += STEP_S
@@ -91,9 +106,11 @@ def fill(sched: Scheduler) -> float:
     return now
 
 
-def measure(policy: str, steps: int, requests: list[TraceRequest], cost_model: CostModel) -> dict[str, float]:
-    sched = build(policy, requests, cost_model)
-    now = fill(sched)
+def measure(
+    policy: str, steps: int, requests: list[TraceRequest], cost_model: CostModel, running: int = RUNNING
+) -> dict[str, float]:
+    sched = build(policy, requests, cost_model, running)
+    now = fill(sched, running)
     times = []
     for k in range(steps):
         elapsed, _ = advance(sched, now + k * STEP_S)
@@ -109,21 +126,65 @@ def measure(policy: str, steps: int, requests: list[TraceRequest], cost_model: C
     }
 
 
+def workload_of(size: int, cost_model: CostModel) -> list[TraceRequest]:
+    trace = load_trace("sharegpt", num_requests=min(size, 30_731)).requests
+    requests = [trace[i % len(trace)] for i in range(size)]
+    return apply_slo_profile("accelgen", Workload("sharegpt", requests, {}), cost_model, seed=0).requests
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--policy", action="append", help="policy spec; repeat (default: every policy)")
+    parser.add_argument("--sizes", default="256:10000", help="running:waiting shapes, comma-separated")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every policy and vllm; median ratio")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time per call, or the thread's CPU time (steadier on a shared machine)",
+    )
     args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     cost_model = build_cost_model("analytic", "llama-2-7b", "a100-80g")
-    workload = apply_slo_profile("accelgen", load_trace("sharegpt", num_requests=10_256), cost_model, seed=0)
-    header = f"{'policy':<26} {'mean ms':>8} {'p50 ms':>8} {'p99 ms':>8} {'running':>8} {'paused':>7} {'waiting':>8}"
-    tqdm.write(header)
-    for policy in tqdm(args.policy or POLICIES, desc="policies", leave=False):
-        r = measure(policy, args.steps, workload.requests, cost_model)
+    specs = [BASELINE] + [p for p in (args.policy or POLICIES) if p != BASELINE]
+    sizes = [tuple(int(x) for x in s.split(":")) for s in args.sizes.split(",")]
+    means: dict[tuple[str, int, int], float] = {}
+    for running, waiting in sizes:
+        requests = workload_of(running + waiting, cost_model)
+        results: dict[str, list[dict[str, float]]] = {p: [] for p in specs}
+        with tqdm(total=args.rounds * len(specs), desc=f"{running}:{waiting}", leave=False) as bar:
+            for _ in range(args.rounds):
+                for policy in specs:
+                    results[policy].append(measure(policy, args.steps, requests, cost_model, running))
+                    bar.update(1)
         tqdm.write(
-            f"{policy:<26} {r['mean']:8.3f} {r['p50']:8.3f} {r['p99']:8.3f} "
-            f"{r['running']:8d} {r['paused']:7d} {r['waiting']:8d}"
+            f"\n{running} running, {waiting} waiting, {args.steps} steps, {args.rounds} round(s), {args.clock} time"
         )
+        tqdm.write(
+            f"{'policy':<26} {'mean ms':>8} {'p50 ms':>8} {'p99 ms':>8} {'mean/vllm':>9} {'p99/vllm':>9} "
+            f"{'running':>8} {'paused':>7} {'waiting':>8}"
+        )
+        for policy in specs:
+            rs = results[policy]
+            mean_ratio = statistics.median(r["mean"] / b["mean"] for r, b in zip(rs, results[BASELINE], strict=True))
+            p99_ratio = statistics.median(r["p99"] / b["p99"] for r, b in zip(rs, results[BASELINE], strict=True))
+            mean = statistics.median(r["mean"] for r in rs)
+            means[(policy, running, waiting)] = mean
+            last = rs[-1]
+            tqdm.write(
+                f"{policy:<26} {mean:8.3f} {statistics.median(r['p50'] for r in rs):8.3f} "
+                f"{statistics.median(r['p99'] for r in rs):8.3f} {mean_ratio:8.2f}x {p99_ratio:8.2f}x "
+                f"{last['running']:8d} {last['paused']:7d} {last['waiting']:8d}"
+            )
+    if len(sizes) > 1:
+        (r0, w0), (r1, w1) = sizes[0], sizes[-1]
+        tqdm.write(f"\ngrowth of the mean from {r0}:{w0} to {r1}:{w1} (queue x{w1 / w0:.0f}, running x{r1 / r0:.1f})")
+        for policy in specs:
+            growth = means[(policy, r1, w1)] / means[(policy, r0, w0)]
+            verdict = "sub-linear" if growth < w1 / w0 else "NOT sub-linear"
+            tqdm.write(f"{policy:<26} x{growth:6.2f}  {verdict}")
 
 
 if __name__ == "__main__":

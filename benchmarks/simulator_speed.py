@@ -1,34 +1,143 @@
-"""Simulator speed: 10,000 requests of the sharegpt trace through `vllm` and `sarathi`
-(target: under 30 s each on a 2-core machine). Prints wall time and requests/s.
+"""Simulator speed: requests simulated per second for every policy on the sharegpt trace
+(10,000 requests by default), the cost of automatic prefix caching on that trace (it has no
+shared prefixes: every block is unique to its request), and both against a baseline tree
+(by default `main`), side by side in one run.
 
-    python benchmarks/simulator_speed.py --num-requests 10000
+    python benchmarks/simulator_speed.py                       # every policy, this tree and main's
+    python benchmarks/simulator_speed.py --num-requests 2000 --rounds 3 --policy vllm --policy sarathi
+    python benchmarks/simulator_speed.py --baseline none       # this tree only
+
+The baseline is `git archive`d into a temporary folder and imported from there; each
+(tree, policy, prefix caching) run is its own subprocess, and the variants are interleaved
+round by round, so a slow minute of a shared machine lands on all of them alike (`--clock cpu`
+compares the processes' CPU time instead of wall time, which other jobs on a shared machine
+inflate by whole multiples). Printed per policy: the median time per variant, requests/s, the speedup over the baseline
+(baseline wall / this tree's wall, caching on and off), and the prefix-caching overhead
+(wall on / wall off - 1) of each tree. Both trees make the same decisions
+(tests/sim/test_plan_identity.py); `finished` and `steps` show it per run.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import json
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
 
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICIES = [
+    "vllm",
+    "vllm_chunked",
+    "sarathi",
+    "orca",
+    "sls",
+    "fastgen",
+    "fastserve",
+    "alise",
+    "scls",
+    "econoserve",
+    "accelgen",
+]
+
+# What one subprocess runs: a simulation of the trace, timed, its counts printed as JSON.
+_CHILD = """
+import json, sys, time
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, simulate
 from scheduler_service.sim.workloads import apply_arrivals, load_trace
+policy, n, rate, caching = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"
+cm = build_cost_model("analytic", "llama-2-7b", "a100-80g")
+wl = apply_arrivals(load_trace("sharegpt", num_requests=n), "poisson", rate=rate, seed=0)
+t0, c0 = time.perf_counter(), time.process_time()
+run = simulate(SimConfig(policy=policy, max_model_len=8192, prefix_caching=caching), wl, cm)
+wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+counts = {"steps": run.details["num_steps"], "finished": run.metrics["num_finished"]}
+print(json.dumps({"wall": wall, "cpu": cpu, **counts}))
+"""
+
+
+def extract_tree(ref: str, into: Path) -> Path:
+    """The tree of `ref` (a commit or branch of this repository), unpacked under `into`."""
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], capture_output=True, check=True)
+    tree = into / "baseline"
+    with tarfile.open(fileobj=BytesIO(data.stdout)) as tar:
+        tar.extractall(tree, filter="data")
+    data_dir = tree / "data"
+    if not any(data_dir.glob("traces/*")):  # NOTE: bundled data may be LFS pointers in an archive
+        subprocess.run(["rm", "-rf", str(data_dir)], check=True)
+        data_dir.symlink_to(ROOT / "data")
+    return tree
+
+
+def run_one(tree: Path, policy: str, n: int, rate: float, caching: bool) -> dict[str, float]:
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, policy, str(n), str(rate), "1" if caching else "0"],
+        cwd=tree,
+        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{policy} in {tree}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=10_000)
-    parser.add_argument("--rate", type=float, default=1.0)
+    parser.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals, requests/s")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions (median reported)")
+    parser.add_argument("--policy", action="append", help="policy spec; repeat (default: every policy)")
+    parser.add_argument("--baseline", default="main", help="git ref to compare with, or 'none'")
+    parser.add_argument("--json", type=Path, help="write every run's numbers here")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="what is compared: wall time, or the process's CPU time (steadier on a shared machine)",
+    )
     args = parser.parse_args()
-    cm = build_cost_model("analytic", "llama-2-7b", "a100-80g")
-    wl = apply_arrivals(load_trace("sharegpt", num_requests=args.num_requests), "poisson", rate=args.rate, seed=0)
-    print(f"{'policy':<10} {'wall s':>8} {'req/s simulated':>16} {'target 30 s':>12} {'steps':>8} {'finished':>9}")
-    for policy in ("vllm", "sarathi"):
-        t0 = time.perf_counter()
-        run = simulate(SimConfig(policy=policy, max_model_len=8192, progress=True), wl, cm)
-        wall = time.perf_counter() - t0
-        steps = run.details["num_steps"]
-        done = run.metrics["num_finished"]
-        print(f"{policy:<10} {wall:8.1f} {len(wl) / wall:16.0f} {wall / 30:11.2f}x {steps:8d} {done:9d}")
+    policies = args.policy or POLICIES
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"this": ROOT}
+        if args.baseline != "none":
+            trees["base"] = extract_tree(args.baseline, Path(tmp))
+        variants = [(t, p, c) for p in policies for t in trees for c in (True, False)]
+        runs: dict[tuple[str, str, bool], list[dict[str, float]]] = {v: [] for v in variants}
+        with tqdm(total=len(variants) * args.rounds, desc="simulations") as bar:
+            for _ in range(args.rounds):
+                for v in variants:
+                    runs[v].append(run_one(trees[v[0]], v[1], args.num_requests, args.rate, v[2]))
+                    bar.update(1)
+    if args.json:
+        args.json.write_text(json.dumps({"|".join(map(str, k)): r for k, r in runs.items()}, indent=1))
+    wall = {k: statistics.median(r[args.clock] for r in rs) for k, rs in runs.items()}
+    print(f"{args.num_requests} sharegpt requests, {args.rounds} round(s), median {args.clock} s")
+    head = f"{'policy':<13} {'on s':>7} {'off s':>7} {'req/s':>7} {'APC cost':>9}"
+    if "base" in trees:
+        head += f" {'base on':>8} {'base off':>8} {'base APC':>9} {'speedup on':>11} {'speedup off':>12} {'same':>5}"
+    print(head)
+    for p in policies:
+        on, off = wall[("this", p, True)], wall[("this", p, False)]
+        line = f"{p:<13} {on:7.2f} {off:7.2f} {args.num_requests / on:7.0f} {on / off - 1:+9.1%}"
+        if "base" in trees:
+            b_on, b_off = wall[("base", p, True)], wall[("base", p, False)]
+            same = all(
+                (a["steps"], a["finished"]) == (b["steps"], b["finished"])
+                for c in (True, False)
+                for a, b in zip(runs[("this", p, c)], runs[("base", p, c)], strict=True)
+            )
+            line += f" {b_on:8.2f} {b_off:8.2f} {b_on / b_off - 1:+9.1%}"
+            line += f" {b_on / on:10.2f}x {b_off / off:11.2f}x {'yes' if same else 'NO':>5}"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ class BlockPool:
         self._ref = [0] * num_blocks
         self._reserves: dict[str, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, registered; oldest first
-        self._hash_of: dict[int, int] = {}  # registered block -> its prefix hash
+        self._hash_of: dict[int, int | None] = {}  # registered block -> its prefix hash (None: parked)
         self.by_hash: dict[int, int] = {}  # prefix hash -> the block holding its KV
         self.num_evictions = 0  # cached blocks forgotten so far (a lookup older than a change is stale)
 
@@ -168,7 +168,9 @@ class BlockPool:
 
     def _evict_oldest(self) -> int:
         block, _ = self._evictable.popitem(last=False)
-        del self.by_hash[self._hash_of.pop(block)]
+        h = self._hash_of.pop(block)
+        if h is not None:
+            del self.by_hash[h]
         self.num_evictions += 1
         return block
 
@@ -207,6 +209,13 @@ class BlockPool:
         self.by_hash[block_hash] = block_id
         self._hash_of[block_id] = block_hash
         return True
+
+    def park(self, block_id: int) -> None:
+        """Files a computed full block that no lookup can ever name (its request ends and its
+        hash was unique to it) as cached without a hash: freed, it ages in the LRU like the
+        registered blocks freed with it, and no hash is computed for it."""
+        if block_id not in self._hash_of:
+            self._hash_of[block_id] = None
 
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """Blocks of the longest run of `hashes`, from the first, that the cache holds."""
@@ -251,7 +260,8 @@ class BlockPool:
             raise KVAllocationError("the free list holds a registered block, or the LRU an unregistered one")
         if len(free) + len(evictable) + sum(1 for r in ref if r > 0) != self.num_blocks:
             raise KVAllocationError("free + cached + in use != total")
-        if any(self.by_hash.get(h) != b for b, h in self._hash_of.items()) or len(self.by_hash) != len(self._hash_of):
+        named = {b: h for b, h in self._hash_of.items() if h is not None}
+        if any(self.by_hash.get(h) != b for b, h in named.items()) or len(self.by_hash) != len(named):
             raise KVAllocationError("the prefix hash map and the block hashes disagree")
 
 
@@ -355,6 +365,16 @@ class KVCacheManager:
             register(table[i], hashes[i])
         if upto > done:
             self._num_registered[request_id] = upto
+
+    def park_blocks(self, request_id: str, num_full_blocks: int) -> None:
+        """The request ends: its full blocks past those registered are parked (`BlockPool.park`),
+        so that freeing them leaves the pool exactly as registering them would have."""
+        table = self.gpu_tables.get(request_id)
+        if not self.prefix_caching or table is None:
+            return
+        park = self.gpu.park
+        for i in range(self._num_registered.get(request_id, 0), min(num_full_blocks, len(table))):
+            park(table[i])
 
     def num_registered(self, request_id: str) -> int:
         """Leading blocks of the request's table already offered to the prefix cache."""

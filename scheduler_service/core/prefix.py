@@ -19,6 +19,13 @@ What "tokens" means depends on what the request knows:
 
 Hashes are computed once per request, lazily up to the blocks asked for, and kept on the
 request (`Request.block_hashes`); `block_hashes(req, block_size, n)` extends them.
+
+What can be shared (`shareable_blocks`): the leading blocks named by tokens or trace ids. The
+first salted block ends that run (every later hash chains on it, so it is unique too). Salted
+blocks are found again only by their own request, after its KV was freed and before it ends;
+the scheduler hashes and registers them only then (`Scheduler.flush_blocks`), and a lookup
+for a request none of whose salted blocks was ever hashed stops at its shareable run
+(`lookup_hashes`): a trace without shared prefixes costs no hashing at all.
 """
 
 from __future__ import annotations
@@ -81,6 +88,29 @@ def block_hashes(req: Request, block_size: int, num_blocks: int) -> list[int]:
         parent = _hash_block(req, src, j, block_size, parent)
         hashes.append(parent)
     return hashes
+
+
+NO_LIMIT = 1 << 62  # "every block": live requests name all their blocks by token ids
+
+
+def shareable_blocks(req: Request, block_size: int) -> int:
+    """How many leading blocks of the request other requests can name (the run before its
+    first salted block); NO_LIMIT when every block is named by its tokens."""
+    src, prompt, ids = req.prefix_source, req.num_prompt_tokens, req.prompt_token_ids
+    if src is None:
+        return NO_LIMIT if ids is not None else 0
+    if ids is not None:
+        out = src.output_token_ids
+        return (prompt + len(out)) // block_size if out is not None else prompt // block_size
+    return min(prompt, len(src.trace_hash_ids) * src.trace_block_tokens) // block_size
+
+
+def lookup_hashes(req: Request, block_size: int, limit: int) -> list[int]:
+    """The hashes of the request's first `limit` blocks worth looking up: past its shareable
+    run only when one of its salted blocks was hashed (hence possibly registered) before."""
+    if req.prefix_salt is None:
+        limit = min(limit, shareable_blocks(req, block_size))
+    return block_hashes(req, block_size, limit) if limit > 0 else []
 
 
 def _hash_block(req: Request, src: PrefixSource | None, j: int, size: int, parent: int) -> int:

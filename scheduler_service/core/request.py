@@ -67,6 +67,7 @@ class Request:
     __slots__ = (
         "arrival_time",
         "block_hashes",
+        "cache_due",
         "eos_token_ids",
         "finish_message",
         "finish_time",
@@ -162,6 +163,8 @@ class Request:
         self.prefix_salt: int | None = None
         self.block_hashes: list[int] | None = None
         self.num_cached_tokens = 0
+        # computed tokens at which its next shareable block is full (0: check at its next step)
+        self.cache_due = 0
 
     @property
     def num_tokens(self) -> int:

@@ -28,7 +28,7 @@ from scheduler_service.core.overlap import InFlight, commit_plan, resolve_step
 from scheduler_service.core.plan_writer import PlanWriter
 from scheduler_service.core.policy import Policy
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason, RejectReason
-from scheduler_service.core.prefix import block_hashes
+from scheduler_service.core.prefix import NO_LIMIT, block_hashes, shareable_blocks
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.core.step_outputs import StepOutputs
@@ -73,6 +73,10 @@ class Scheduler:
         # NOTE: only for policies that keep no state between schedule and on_step_result.
         self.overlap = self.config.overlap and getattr(policy, "overlap_safe", False)
         self.pending_tokens: dict[str, int] = {}  # overlap: request id -> placeholders not resolved yet
+        # Prefix caching registers a request's shareable blocks as they fill and its salted ones
+        # (found only by itself) when its KV is freed (`_flush_blocks`); under overlap every block
+        # as it fills, as the steps in flight decide what is computed.
+        self._defer_salted = kv.prefix_caching and not self.overlap
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request: Request, now: float) -> RejectReason | None:
@@ -179,7 +183,7 @@ class Scheduler:
                 metrics.prefill_tokens += n
                 if req.num_computed_tokens >= req.prefill_len:
                     req.status = decoding
-            if caching:
+            if caching and req.num_computed_tokens >= req.cache_due:
                 self._cache_computed_blocks(req)
             token = sampled.get(rid)
             if token is None:
@@ -245,10 +249,29 @@ class Scheduler:
             kv.cache_blocks(req.request_id, block_hashes(req, kv.block_size, full), full)
 
     def _cache_computed_blocks(self, req: Request) -> None:
+        """Registers the request's full shareable blocks; `cache_due` says when the next one is
+        full, so the steps in between cost one comparison (never per token)."""
         kv = self.kv
-        full = req.num_computed_tokens // kv.block_size
-        if full > kv.num_registered(req.request_id):
-            kv.cache_blocks(req.request_id, block_hashes(req, kv.block_size, full), full)
+        size = kv.block_size
+        # NOTE: once one of its salted hashes exists (its KV was freed before), it registers every
+        # block as it fills: a hash registered already makes a later copy stay unregistered.
+        cap = shareable_blocks(req, size) if self._defer_salted and req.prefix_salt is None else NO_LIMIT
+        full = min(req.num_computed_tokens // size, cap)
+        rid = req.request_id
+        if full > kv.num_registered(rid):
+            kv.cache_blocks(rid, block_hashes(req, size, full), full)
+        done = kv.num_registered(rid)
+        req.cache_due = (done + 1) * size if done < cap else NO_LIMIT
+
+    def flush_blocks(self, req: Request) -> None:
+        """Its KV is about to be freed (or to leave): its salted full blocks are registered
+        too, so that its own re-admission finds them as if they had been registered as they filled."""
+        req.cache_due = 0
+        if self._defer_salted:
+            kv = self.kv
+            full = req.num_computed_tokens // kv.block_size
+            if full > kv.num_registered(req.request_id):
+                kv.cache_blocks(req.request_id, block_hashes(req, kv.block_size, full), full)
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         return self.stop_status(req, token, req.num_output_tokens)
@@ -312,6 +335,7 @@ class Scheduler:
         del self.waiting[req.request_id]
         self.running[req.request_id] = req
         req.status = RequestStatus.PREFILLING if req.is_prefill else RequestStatus.DECODING
+        req.cache_due = 0
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         req.queue_time += now - req.queue_enter_time
@@ -330,6 +354,7 @@ class Scheduler:
         if mode is PreemptionMode.RECOMPUTE:
             if self.overlap:
                 self._void(req)
+            self.flush_blocks(req)
             self.kv.free(rid)
             self.plans.forget(rid)
             req.num_computed_tokens = 0
@@ -353,6 +378,7 @@ class Scheduler:
         self._detach(req)
         self.running[req.request_id] = req
         req.status = RequestStatus.PREFILLING if req.is_prefill else RequestStatus.DECODING
+        req.cache_due = 0
         req.queue_time += now - req.queue_enter_time
         if table_replaced:
             self.plans.replace_table(req.request_id)
@@ -362,6 +388,7 @@ class Scheduler:
         if self.overlap:
             self._void(req)
         self._detach(req)
+        self.flush_blocks(req)
         self.kv.free(rid)
         self.plans.forget(rid)
         del self.requests[rid]
@@ -381,6 +408,7 @@ class Scheduler:
         told to drop the request (its blocks' contents are untouched until they are reused)."""
         rid = req.request_id
         self._detach(req)
+        self.flush_blocks(req)
         self.plans.forget(rid)
         del self.requests[rid]
         req.worker_id = None
@@ -392,6 +420,9 @@ class Scheduler:
         if self.overlap:
             self._void(req)  # NOTE: the extra token of a step in flight is discarded, never streamed
         self._detach(req)
+        if self._defer_salted and req.prefix_salt is None:
+            # NOTE: its salted blocks can never be found now: parked, not hashed (prefix.py)
+            self.kv.park_blocks(rid, req.num_computed_tokens // self.kv.block_size)
         self.kv.free(rid)
         self.plans.forget(rid)
         self.requests.pop(rid, None)

@@ -25,7 +25,7 @@ from scheduler_service.core.budget import TokenBudget
 from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.plan_writer import PlanWriter
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
-from scheduler_service.core.prefix import block_hashes
+from scheduler_service.core.prefix import lookup_hashes
 from scheduler_service.core.request import Request, RequestStatus
 from sluice.contract.plan import KVMove, KVMoveKind
 from sluice.contract.profile import BatchShape
@@ -66,6 +66,8 @@ class SchedulerState(Protocol):
 
     def resume(self, req: Request, now: float, *, table_replaced: bool) -> None: ...
 
+    def flush_blocks(self, req: Request) -> None: ...
+
     def return_to_pool(self, req: Request, now: float) -> None: ...
 
     def end(self, req: Request, status: RequestStatus, now: float, message: str = "") -> None: ...
@@ -82,6 +84,9 @@ class StepBuilder:
         self.metadata: dict[str, object] = {}
         self.num_preempted = 0
         self._block_mode = scheduler.policy.allocation_mode in (AllocationMode.BLOCK, AllocationMode.RESERVED)
+        # NOTE: max allocation reserves prompt + max_tokens at admission, so its running requests
+        # are covered too, by a target the fast path computes without the general one's calls.
+        self._max_mode = scheduler.policy.allocation_mode is AllocationMode.MAX
         self._tables = scheduler.kv.gpu_tables
         self._block_size = scheduler.kv.block_size
         self._caching = scheduler.kv.prefix_caching
@@ -148,7 +153,7 @@ class StepBuilder:
             return memo[1]
         size = self._block_size
         limit = (request.num_tokens - 1) // size
-        hit = self.kv.lookup_prefix(block_hashes(request, size, limit)) if limit > 0 else []
+        hit = self.kv.lookup_prefix(lookup_hashes(request, size, limit)) if limit > 0 else []
         self._hits[request.request_id] = (evictions, hit)
         return hit
 
@@ -254,7 +259,7 @@ class StepBuilder:
         per step; a request whose table covers its step (15 decodes in 16 with 16-token
         blocks) is charged here without the general path's calls and lookups. Decisions are
         exactly those of calling `schedule` on each in turn."""
-        if not self._block_mode:
+        if not self._block_mode and not self._max_mode:
             return queue.popleft() if queue else None
         budget, covered = self.budget, self.schedule_if_covered
         while queue:
@@ -277,13 +282,16 @@ class StepBuilder:
         budget, rid = self.budget, request.request_id
         table = self._tables.get(rid)
         computed = request.num_computed_tokens
+        target = computed + num_tokens
+        if self._max_mode:
+            target = max(target, request.num_prompt_tokens + request.max_tokens)  # required_tokens(MAX)
         if (
-            self._block_mode
+            (self._block_mode or self._max_mode)
             and 0 < num_tokens <= request.num_prompt_tokens + request.num_output_tokens - computed
             and (request.status is RequestStatus.DECODING or request.status is RequestStatus.PREFILLING)
             and rid not in self.scheduled
             and table is not None
-            and len(table) * self._block_size >= computed + num_tokens
+            and len(table) * self._block_size >= target
             and budget.num_tokens + num_tokens <= budget.max_tokens
             and budget.num_seqs < budget.max_seqs
         ):
@@ -303,6 +311,8 @@ class StepBuilder:
     ) -> None:
         if request.request_id in self.scheduled:
             self.unschedule(request)
+        if mode is PreemptionMode.SWAP:
+            self._sched.flush_blocks(request)  # NOTE: freed GPU blocks keep its KV cached
         if mode is PreemptionMode.SWAP and not self._sched.plans.knows(request.request_id):
             mode = PreemptionMode.RECOMPUTE  # the worker never computed its KV: nothing to copy
         if mode is PreemptionMode.SWAP and not self._swap_out(request):
@@ -348,6 +358,7 @@ class StepBuilder:
         self._sched.return_to_pool(request, self.now)
 
     def shrink_allocation(self, request: Request, num_tokens_kept: int) -> list[int]:
+        self._sched.flush_blocks(request)
         freed = self.kv.free_tail(request.request_id, num_tokens_kept)
         if freed:
             self._sched.plans.replace_table(request.request_id)
@@ -355,6 +366,8 @@ class StepBuilder:
 
     def lend_blocks(self, host: Request, guest: Request, num_blocks: int) -> list[int]:
         """Moves the tail of the host's allocation to the guest (EconoServe KV pipelining)."""
+        self._sched.flush_blocks(host)
+        self._sched.flush_blocks(guest)
         moved = self.kv.transfer_tail(host.request_id, guest.request_id, num_blocks)
         self._sched.plans.replace_table(host.request_id)
         return moved

@@ -138,6 +138,10 @@ def time_limited_chunk(step: StepBuilder, cost_model: CostModel, limit_s: float,
 
     if fits(tokens):
         return tokens
+    if floor == 0 and (tokens == 1 or not fits(1)):
+        # NOTE: the search below finds the largest chunk that fits, as step time grows with the
+        # chunk; when one token does not fit, that is none (a step's later prefills, every step)
+        return 0
     low, high = 0, tokens  # fits(low) (or low == 0), not fits(high)
     while high - low > 1:
         mid = (low + high) // 2

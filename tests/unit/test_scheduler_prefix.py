@@ -139,3 +139,66 @@ def test_every_policy_serves_shared_prefixes_under_kv_pressure_with_no_leak(poli
     assert finished + sum(sched.metrics.rejected.values()) == 24
     assert sched.metrics.prefix_hit_tokens > 0
     sched.assert_empty()
+
+
+def salted(rid: str, prompt: int, output: int) -> Request:
+    """A simulated request that knows only its lengths: no other request can share its blocks."""
+    return Request(
+        rid,
+        arrival_time=0.0,
+        num_prompt_tokens=prompt,
+        sampling=SamplingParams(max_tokens=output + 8),
+        eos_token_ids=frozenset({EOS}),
+        true_output_tokens=output,
+    )
+
+
+def test_a_request_whose_blocks_nobody_can_share_is_never_hashed_while_it_runs() -> None:
+    sched = make_scheduler("vllm", prefix_caching=True, num_gpu_blocks=64)
+    sched.add_request(salted("a", 29, 40), 0.0)
+    for t in range(12):
+        step(sched, t * 0.01)
+    a = sched.requests["a"]
+    assert a.num_computed_tokens >= 36 and sched.kv.num_registered("a") == 0
+    assert a.block_hashes is None and a.prefix_salt is None and sched.kv.gpu.num_cached == 0
+
+
+def test_its_blocks_are_hashed_when_its_kv_is_freed_and_found_again() -> None:
+    sched = make_scheduler("vllm", prefix_caching=True, num_gpu_blocks=64)
+    sched.add_request(salted("a", 29, 40), 0.0)
+    for t in range(12):
+        step(sched, t * 0.01)
+    a = sched.requests["a"]
+    computed = a.num_computed_tokens
+    sched.preempt(a, PreemptionMode.RECOMPUTE, PreemptionReason.KV_PRESSURE, 0.2, to_front=True)
+    assert a.prefix_salt is not None and sched.kv.gpu.num_cached == computed // 4
+    plan = sched.schedule(0.3)
+    assert plan.new_requests[0].num_computed_tokens == computed // 4 * 4
+
+
+def test_an_ended_request_parks_its_blocks_in_the_lru_without_hashing_them() -> None:
+    """They age in the LRU exactly as registered blocks would (the eviction order other requests'
+    cached blocks see is unchanged), but no lookup can name them."""
+    sched = make_scheduler("vllm", prefix_caching=True, num_gpu_blocks=64)
+    sched.add_request(salted("a", 29, 10), 0.0)
+    run_to_completion(sched)
+    gpu = sched.kv.gpu
+    assert gpu.num_evictable == (29 + 10) // 4 and not gpu.by_hash
+    assert gpu.allocate(64) is not None  # parked blocks are free to take
+    gpu.check_invariants()
+
+
+def test_shareable_blocks_end_at_the_first_salted_block() -> None:
+    from scheduler_service.core.prefix import NO_LIMIT, PrefixSource, shareable_blocks
+
+    live = req("l", list(range(1, 30)), 3)
+    assert shareable_blocks(live, 4) == NO_LIMIT
+    assert shareable_blocks(salted("s", 29, 3), 4) == 0
+    trace = Request("t", arrival_time=0.0, num_prompt_tokens=1000, prefix_source=PrefixSource((7, 8), 512))
+    assert shareable_blocks(trace, 16) == 1000 // 16  # both trace blocks cover the prompt
+    short = Request("u", arrival_time=0.0, num_prompt_tokens=1500, prefix_source=PrefixSource((7, 8), 512))
+    assert shareable_blocks(short, 16) == 1024 // 16  # past the trace's last block: salted
+    answer = Request(
+        "v", arrival_time=0.0, prompt_token_ids=list(range(30)), prefix_source=PrefixSource((), 512, (1,) * 10)
+    )
+    assert shareable_blocks(answer, 4) == 40 // 4

@@ -118,6 +118,11 @@ class _Round:
     misses: int = 0
     scanned: int = 0
     deferred: list[Entry] = field(default_factory=list)
+    # A prefill at this computed prefix (or a longer one) gets no chunk this round: one token of
+    # it already priced the step past SLO_min, and the step, the prefix and a tighter SLO only
+    # add time. Valid while nothing left the batch (`memo_preempted` = the step's preemptions then).
+    no_chunk_from: float = float("inf")
+    memo_preempted: int = 0
 
 
 @POLICIES.register("accelgen")
@@ -325,12 +330,19 @@ class AccelGenPolicy(Policy):
     def _schedule(self, r: _Round, req: Request, n: int) -> bool:
         step = r.step
         waiting = req.status.is_waiting
+        cm = self.ctx.cost_model
+        priced = req.is_prefill and self.config.chunk and self.config.price_in_time and cm is not None
+        if priced and 0 < r.no_chunk_from <= req.num_computed_tokens and r.memo_preempted == step.num_preempted:
+            return False  # NOTE: what time_limited_chunk answers (see _Round.no_chunk_from), without pricing
         if not waiting and req.is_prefill:
             n = min(n, max(kv_fit(step.kv, req, self.config.watermark), 1))  # a chunk that fits beats a preemption
-        cm = self.ctx.cost_model
-        if req.is_prefill and self.config.chunk and self.config.price_in_time and cm is not None:
+        if priced:
             n = time_limited_chunk(step, cm, self._step_slo(r), req, n)
             if n <= 0:
+                if req.num_computed_tokens:  # NOTE: 0 here means one token did not fit (common.py)
+                    if r.memo_preempted != step.num_preempted:
+                        r.no_chunk_from, r.memo_preempted = float("inf"), step.num_preempted
+                    r.no_chunk_from = min(r.no_chunk_from, req.num_computed_tokens)
                 return False
         cover = cover_tokens(req, n, self.config.allocate_whole_prompt)
         committed = 0

@@ -43,8 +43,10 @@ class OrcaPolicy(Policy):
         queue = deque(step.running.values())
         while (req := step.schedule_covered(queue)) is not None:
             schedule_with_preemption(step, req, req.num_tokens_to_compute, queue, mode)
-        for req in list(step.waiting.values()):
-            if len(step.running) >= self.config.max_batch_size:
-                break
+        # NOTE: FCFS admission stops at the first request that does not fit, and each one
+        # admitted leaves the queue: only the heads are looked at, never a copy of the queue.
+        waiting, running, limit = step.waiting, step.running, self.config.max_batch_size
+        while waiting and len(running) < limit:
+            req = next(iter(waiting.values()))
             if not step.schedule(req, req.num_tokens_to_compute):
                 break
