@@ -7,12 +7,13 @@ of `scheduler_service.policies.decisions`, the ones Sluice's own policies call.
 
 What a policy can set before vLLM's own `schedule()` runs (the rest is vLLM's loop):
 
-    waiting_key(job, now)       the order in which vLLM's loop admits waiting requests
-                                (None for the whole policy: vLLM's FCFS deque, untouched)
-    order_running(jobs, now)    the running list's order: vLLM serves it front to back under
-                                the token budget and, when KV runs short, preempts its LAST
-                                entry, so the order is also the victim choice
-    token_budget(...)           this step's token budget (vLLM's max_num_scheduled_tokens)
+    Job.rank                    the order in which vLLM's loop admits waiting requests
+                                (`reorders_waiting` False: vLLM's FCFS deque, untouched)
+    running_order               the running list's order (by `Job.rank` or `Job.vrank`): vLLM
+                                serves it front to back under the token budget and, when KV runs
+                                short, preempts its LAST entry, so the order is also the victim
+    token_budget(...)           this step's token budget (vLLM's max_num_scheduled_tokens), or
+                                `fixed_budget` once
     admission_cap()             this step's cap on running requests (vLLM's max_num_active_seqs)
     on_step(jobs, step_s, now)  what the previous step served, and how long it took
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, ClassVar, Protocol
 
 from scheduler_service.costmodel.pivot import pivot_forward_size
@@ -69,12 +71,26 @@ class RequestView(Protocol):
 
 
 _seq = itertools.count(1)
+RANK = attrgetter("rank")
 
 
 class Job:
     """The plug-in's state of one request (the request object itself stays vLLM's)."""
 
-    __slots__ = ("arrived", "attained", "clock", "deadline", "hints", "level", "predicted", "req", "seq", "t0")
+    __slots__ = (
+        "arrived",
+        "attained",
+        "clock",
+        "deadline",
+        "hints",
+        "level",
+        "predicted",
+        "rank",
+        "req",
+        "seq",
+        "t0",
+        "vrank",
+    )
 
     def __init__(self, req: RequestView, hints: Hints, now: float) -> None:
         self.req = req
@@ -87,6 +103,10 @@ class Job:
         self.attained = 0.0  # FastServe: service in the current level
         self.t0 = now  # AccelGen: when it last entered the queue
         self.deadline = 0.0
+        # NOTE: the order keys are cached on the job and refreshed only when they change, so
+        # a step sorts with a C-level key instead of recomputing 256 keys in Python.
+        self.rank: Any = self.seq  # ascending: served first, and the last running one is the victim
+        self.vrank: Any = None  # priority policies: running order is this key, descending
 
     @property
     def prefill_left(self) -> int:
@@ -132,7 +152,10 @@ class StepTimeOptions:
 class PluginPolicy:
     name: ClassVar[str]
     options_cls: ClassVar[type] = StepTimeOptions
-    reorders_waiting: ClassVar[bool] = True
+    reorders_waiting: ClassVar[bool] = True  # waiting requests sorted by `Job.rank` each step
+    running_order: ClassVar[str | None] = None  # "rank" or "vrank": the running list sorted by it
+    running_descending: ClassVar[bool] = False
+    budget_reads_jobs: ClassVar[bool] = False  # token_budget needs the running and waiting jobs
 
     def __init__(self, options: Any, limits: Limits) -> None:
         self.options = options
@@ -147,11 +170,16 @@ class PluginPolicy:
     def before_step(self, waiting: Sequence[Job], running: Sequence[Job], now: float) -> None:
         """Level changes that do not depend on the batch (aging)."""
 
-    def waiting_key(self, job: Job, now: float) -> Any:
-        return job.seq
-
-    def order_running(self, jobs: list[Job], now: float) -> list[Job] | None:
+    @property
+    def fixed_budget(self) -> int | None:
+        """A token budget set once (Sarathi's tau), not per step."""
         return None
+
+    def order_running(self, jobs: list[Job]) -> list[Job]:
+        """The running order as a list (the scheduler sorts vLLM's list in place by the same key)."""
+        if self.running_order is None:
+            return list(jobs)
+        return sorted(jobs, key=attrgetter(self.running_order), reverse=self.running_descending)
 
     def token_budget(self, running: Sequence[Job], waiting: Sequence[Job], now: float) -> int | None:
         return None
@@ -159,8 +187,17 @@ class PluginPolicy:
     def admission_cap(self) -> int | None:
         return None
 
+    def refresh_every(self) -> int:
+        """`on_step` hears the jobs served over this many steps at once: a per-job pass over 256
+        running requests every step would cost more than the 0.5 ms a step may add."""
+        return 1
+
+    def on_step_time(self, step_s: float) -> None:
+        """Every step: how long it took."""
+
     def on_step(self, served: Sequence[Job], step_s: float, now: float) -> None:
-        """The jobs the previous step served (their counters already updated)."""
+        """The jobs served since the last call (their counters updated) and the seconds of
+        those steps (`refresh_every()` steps)."""
 
 
 POLICIES: dict[str, type[PluginPolicy]] = {}
@@ -205,12 +242,12 @@ class StrictPriority(PluginPolicy):
 
     name = "priority"
     options_cls = NoOptions
+    running_order = "vrank"
+    running_descending = True
 
-    def waiting_key(self, job: Job, now: float) -> Any:
-        return priority_key(job.req.priority, job.req.arrival_time)
-
-    def order_running(self, jobs: list[Job], now: float) -> list[Job] | None:
-        return sorted(jobs, key=lambda j: priority_victim_key(j.req.priority, j.req.arrival_time), reverse=True)
+    def on_add(self, job: Job, now: float) -> None:
+        job.rank = priority_key(job.req.priority, job.req.arrival_time)
+        job.vrank = priority_victim_key(job.req.priority, job.req.arrival_time)
 
 
 @dataclass
@@ -226,19 +263,18 @@ class SLOClasses(PluginPolicy):
 
     name = "slo_class"
     options_cls = SLOClassOptions
+    running_order = "vrank"
+    running_descending = True
+    budget_reads_jobs = True
 
     def __init__(self, options: SLOClassOptions, limits: Limits) -> None:
         super().__init__(options, limits)
         self.pricer = options.pricer()
 
-    def waiting_key(self, job: Job, now: float) -> Any:
-        return (slo_class_rank(job.hints.offline), *priority_key(job.req.priority, job.req.arrival_time))
-
-    def order_running(self, jobs: list[Job], now: float) -> list[Job] | None:
-        def key(j: Job) -> tuple[int, int, float]:
-            return (-slo_class_rank(j.hints.offline), *priority_victim_key(j.req.priority, j.req.arrival_time))
-
-        return sorted(jobs, key=key, reverse=True)
+    def on_add(self, job: Job, now: float) -> None:
+        cls, r = slo_class_rank(job.hints.offline), job.req
+        job.rank = (cls, *priority_key(r.priority, r.arrival_time))
+        job.vrank = (-cls, *priority_victim_key(r.priority, r.arrival_time))
 
     def token_budget(self, running: Sequence[Job], waiting: Sequence[Job], now: float) -> int | None:
         slos = [j.hints.tbt_s for j in running if j.hints.tbt_s is not None and not j.hints.offline]
@@ -280,7 +316,8 @@ class Sarathi(PluginPolicy):
         else:
             self.tau = min(512, cap)
 
-    def token_budget(self, running: Sequence[Job], waiting: Sequence[Job], now: float) -> int | None:
+    @property
+    def fixed_budget(self) -> int | None:
         return self.tau
 
 
@@ -296,6 +333,7 @@ class AliseOptions:
     t0_s: float = DEFAULT_T0_S  # prefill seconds per prompt token (Eq. 4)
     alpha_s: float = DEFAULT_ALPHA_S  # decode seconds per token per context token (Eq. 5)
     beta_s: float = DEFAULT_BETA_S  # decode seconds per token at zero context
+    refresh_steps: int = 8  # running jobs' ranks, misprediction and aging clocks refresh this often
 
 
 @register
@@ -306,6 +344,7 @@ class Alise(PluginPolicy):
 
     name = "alise"
     options_cls = AliseOptions
+    running_order = "rank"
 
     def __init__(self, options: AliseOptions, limits: Limits) -> None:
         super().__init__(options, limits)
@@ -323,8 +362,12 @@ class Alise(PluginPolicy):
             o.t0_s, o.alpha_s, o.beta_s, job.prefill_left, r.num_tokens, job.predicted, r.num_output_tokens
         )
 
+    def rerank(self, job: Job) -> None:
+        job.rank = (job.level, self.remaining_s(job), job.seq)
+
     def on_add(self, job: Job, now: float) -> None:
         job.level = alise_level(self.remaining_s(job), self.level_base_s, self.options.num_queues)
+        self.rerank(job)
 
     def on_prediction(self, job: Job, now: float) -> None:
         if job.req.num_computed_tokens == 0:  # still waiting: its queue follows the new prediction
@@ -335,27 +378,31 @@ class Alise(PluginPolicy):
             if job.level > 0 and aging_due(job.clock, self.age_s, now):
                 job.level -= 1
                 job.clock = now
-
-    def waiting_key(self, job: Job, now: float) -> Any:
-        return (job.level, self.remaining_s(job), job.seq)
-
-    def order_running(self, jobs: list[Job], now: float) -> list[Job] | None:
-        return sorted(jobs, key=lambda j: (j.level, self.remaining_s(j), j.seq))
+                self.rerank(job)
 
     def admission_cap(self) -> int | None:
         return self.options.job_limit or None
 
+    def refresh_every(self) -> int:
+        return max(1, self.options.refresh_steps)
+
     def on_step(self, served: Sequence[Job], step_s: float, now: float) -> None:
         nq = self.options.num_queues
+        o, base = self.options, self.level_base_s
+        t0, alpha, beta = o.t0_s, o.alpha_s, o.beta_s
         for job in served:
             job.clock = now
+            r = job.req
             if job.prefill_left:
+                self.rerank(job)
                 continue
-            if job.req.num_output_tokens >= job.predicted:
-                job.predicted = mispredicted_length(job.predicted, job.req.num_output_tokens)
-                job.level = demoted_level(job.level, self.remaining_s(job), self.level_base_s, nq)
-            elif job.level > 1:
-                job.level = min(job.level, alise_level(self.remaining_s(job), self.level_base_s, nq))
+            if r.num_output_tokens >= job.predicted:
+                job.predicted = mispredicted_length(job.predicted, r.num_output_tokens)
+                job.level = demoted_level(job.level, self.remaining_s(job), base, nq)
+            remaining = alise_remaining_s(t0, alpha, beta, 0, r.num_tokens, job.predicted, r.num_output_tokens)
+            if job.level > 1:
+                job.level = min(job.level, alise_level(remaining, base, nq))
+            job.rank = (job.level, remaining, job.seq)
 
 
 # ------------------------------------------------------------------------------ FastServe
@@ -365,6 +412,7 @@ class Alise(PluginPolicy):
 class FastServeOptions(StepTimeOptions):
     num_queues: int = 5
     quantum_ms: float | None = None  # queue 0's quantum; None: one step's fixed cost x 4
+    refresh_steps: int = 8  # attained service is added up over this many steps
 
 
 @register
@@ -375,6 +423,7 @@ class FastServe(PluginPolicy):
 
     name = "fastserve"
     options_cls = FastServeOptions
+    running_order = "rank"
 
     def __init__(self, options: FastServeOptions, limits: Limits) -> None:
         super().__init__(options, limits)
@@ -386,12 +435,10 @@ class FastServe(PluginPolicy):
 
     def on_add(self, job: Job, now: float) -> None:
         job.level = skip_join_level(self.quanta, self.pricer.prefill_time(job.req.num_prompt_tokens))
+        job.rank = (job.level, job.seq)
 
-    def waiting_key(self, job: Job, now: float) -> Any:
-        return (job.level, job.seq)
-
-    def order_running(self, jobs: list[Job], now: float) -> list[Job] | None:
-        return sorted(jobs, key=lambda j: (j.level, j.seq))
+    def refresh_every(self) -> int:
+        return max(1, self.options.refresh_steps)
 
     def on_step(self, served: Sequence[Job], step_s: float, now: float) -> None:
         for job in served:
@@ -400,6 +447,7 @@ class FastServe(PluginPolicy):
                 job.level += 1
                 job.attained = 0.0
                 job.seq = next(_seq)  # the tail of the next queue
+                job.rank = (job.level, job.seq)
 
 
 # ------------------------------------------------------------------------------ AccelGen
@@ -413,6 +461,7 @@ class AccelGenOptions(StepTimeOptions):
     pivot_tokens: int | None = None  # S_pf; None: the pivot of the step-time line
     pivot_ms: float | None = None  # T_pf
     t_max_window: int = 128  # T_max: the largest step time over this many recent steps
+    refresh_steps: int = 4  # running requests re-enter the queue (new deadline) this often
 
 
 @register
@@ -424,6 +473,8 @@ class AccelGen(PluginPolicy):
 
     name = "accelgen"
     options_cls = AccelGenOptions
+    running_order = "rank"
+    budget_reads_jobs = True
 
     def __init__(self, options: AccelGenOptions, limits: Limits) -> None:
         super().__init__(options, limits)
@@ -452,6 +503,7 @@ class AccelGen(PluginPolicy):
             job.deadline = t0 + jct_allowed_s(slo_left, n, left, t_max, 0.0, 0.0)
         else:
             job.deadline = t0 + online_remaining_s(self.iteration_slo(job), n_ck, t_max)
+        job.rank = (job.deadline, job.seq)
 
     def on_add(self, job: Job, now: float) -> None:
         self._file(job, now)
@@ -460,14 +512,8 @@ class AccelGen(PluginPolicy):
         if job.hints.offline:
             self._file(job, job.t0)
 
-    def waiting_key(self, job: Job, now: float) -> Any:
-        return (job.deadline, job.seq)
-
-    def order_running(self, jobs: list[Job], now: float) -> list[Job] | None:
-        return sorted(jobs, key=lambda j: (j.deadline, j.seq))
-
     def token_budget(self, running: Sequence[Job], waiting: Sequence[Job], now: float) -> int | None:
-        first = min(itertools.chain(running, waiting[:1]), key=lambda j: (j.deadline, j.seq), default=None)
+        first = min(itertools.chain(running, waiting[:1]), key=RANK, default=None)
         if first is None:
             return None
         o = self.options
@@ -475,8 +521,13 @@ class AccelGen(PluginPolicy):
             self.pivot_tokens, self.pivot_s, self.iteration_slo(first), o.min_budget, self.limits.max_num_batched_tokens
         )
 
-    def on_step(self, served: Sequence[Job], step_s: float, now: float) -> None:
+    def refresh_every(self) -> int:
+        return max(1, self.options.refresh_steps)
+
+    def on_step_time(self, step_s: float) -> None:
         self.t_max.observe(step_s)
+
+    def on_step(self, served: Sequence[Job], step_s: float, now: float) -> None:
         for job in served:
             # a prompt keeps its clock (its TTFT runs from arrival); a token restarts it
             self._file(job, job.t0 if job.prefill_left and not job.hints.offline else now)
@@ -489,3 +540,15 @@ def describe(policy: PluginPolicy) -> dict[str, Any]:
         if hasattr(policy, attr):
             out[attr] = getattr(policy, attr)
     return out
+
+
+def step_time_line(counters: dict[str, float]) -> LinearStepTime | None:
+    """The least-squares line through the steps the scheduler saw (its `fit_*` counters), or
+    None with too few or too alike steps."""
+    n, x, y, xx, xy = (float(counters.get(k, 0.0)) for k in ("fit_n", "fit_x", "fit_y", "fit_xx", "fit_xy"))
+    den = n * xx - x * x
+    if n < 10 or den <= 0:
+        return None
+    b = (n * xy - x * y) / den
+    a = (y - b * x) / n
+    return LinearStepTime(max(a, 0.0), max(b, 1e-9))

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
+from operator import attrgetter
 from typing import Any
 
 from sluice_vllm.config import PluginConfig, from_env
@@ -41,6 +42,8 @@ from sluice_vllm.vllm_compat import (
 )
 
 log = logging.getLogger("sluice_vllm")
+JOB = attrgetter("sluice_job")
+RANK_OF_REQUEST = attrgetter("sluice_job.rank")
 TRACE_EVERY_S = 2.0
 
 
@@ -148,9 +151,25 @@ class SluiceSchedulerMixin:
             raise RuntimeError("sluice_vllm: the policy can change only while no request is in the scheduler")
         policy = build_policy(config.policy, config.options, self._sluice_limits)
         self.sluice_policy = policy
+        kind = type(policy)
+        # NOTE: the hooks a policy leaves as they are cost nothing per step (FCFS adds ~no work)
+        self._sluice_order_key = (
+            attrgetter(f"sluice_job.{policy.running_order}") if policy.running_order is not None else None
+        )
+        self._sluice_budgets = kind.token_budget is not PluginPolicy.token_budget
+        self._sluice_caps = kind.admission_cap is not PluginPolicy.admission_cap
+        self._sluice_steps = kind.on_step is not PluginPolicy.on_step
+        self._sluice_times = kind.on_step_time is not PluginPolicy.on_step_time
+        self._sluice_every = policy.refresh_every()
+        self._sluice_pending: set[str] = set()  # served since on_step last ran
+        self._sluice_pending_s = 0.0
+        self._sluice_pending_steps = 0
         if policy.reorders_waiting and not isinstance(self.waiting, PolicyRequestQueue):  # type: ignore[has-type]
             self.waiting = PolicyRequestQueue()
-        self.max_num_scheduled_tokens = self._sluice_limits.max_num_batched_tokens
+        self.max_num_scheduled_tokens = min(
+            policy.fixed_budget or self._sluice_limits.max_num_batched_tokens,
+            self._sluice_limits.max_num_batched_tokens,
+        )
         self.max_num_active_reqs = self._sluice_limits.max_num_seqs
         self._sluice_trace.write("start", **describe(policy))
 
@@ -171,6 +190,7 @@ class SluiceSchedulerMixin:
         now = time.monotonic()
         job = Job(request, hints, now)
         self._sluice_jobs[request.request_id] = job
+        request.sluice_job = job  # type: ignore[attr-defined]  (the sort keys reach it in C)
         c = self.sluice_counters
         c["requests"] += 1
         for name in hints.given:
@@ -228,26 +248,25 @@ class SluiceSchedulerMixin:
                     job.predicted = tokens
                     policy.on_prediction(job, now)
                     self.sluice_counters["predictions_applied"] += 1
+        # NOTE: C-level keys over vLLM's lists (each request carries its Job as `sluice_job`):
+        # no Python call per request per step
         running: list[Request] = self.running  # type: ignore[has-type]
-        running_jobs = [jobs[r.request_id] for r in running if r.request_id in jobs]
         waiting = self.waiting  # type: ignore[has-type]
-        waiting_jobs: list[Job] = []
         if policy.reorders_waiting and waiting:
-            waiting_jobs = [jobs[r.request_id] for r in waiting if r.request_id in jobs]
-            policy.before_step(waiting_jobs, running_jobs, now)
-            waiting.reorder(lambda r: policy.waiting_key(jobs[r.request_id], now))
-            waiting_jobs = [jobs[r.request_id] for r in waiting if r.request_id in jobs]
-        if len(running_jobs) == len(running) > 1:
-            ordered = policy.order_running(running_jobs, now)
-            if ordered is not None:
-                running[:] = [j.req for j in ordered]
+            policy.before_step(list(map(JOB, waiting)), (), now)
+            waiting.reorder(RANK_OF_REQUEST)
+        if self._sluice_order_key is not None and len(running) > 1:
+            running.sort(key=self._sluice_order_key, reverse=policy.running_descending)
         limits = self._sluice_limits
-        budget = policy.token_budget(running_jobs, waiting_jobs, now)
-        self.max_num_scheduled_tokens = (
-            limits.max_num_batched_tokens if budget is None else min(budget, limits.max_num_batched_tokens)
-        )
-        cap = policy.admission_cap()
-        self.max_num_active_reqs = limits.max_num_seqs if cap is None else min(cap, limits.max_num_seqs)
+        if self._sluice_budgets:
+            running_jobs: list[Job] = list(map(JOB, running)) if policy.budget_reads_jobs else []
+            waiting_jobs: list[Job] = list(map(JOB, waiting)) if policy.budget_reads_jobs else []
+            budget = policy.token_budget(running_jobs, waiting_jobs, now)
+            most = limits.max_num_batched_tokens
+            self.max_num_scheduled_tokens = most if budget is None else min(budget, most)
+        if self._sluice_caps:
+            cap = policy.admission_cap()
+            self.max_num_active_reqs = limits.max_num_seqs if cap is None else min(cap, limits.max_num_seqs)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         step_s = time.monotonic() - self._sluice_step_started
@@ -255,9 +274,27 @@ class SluiceSchedulerMixin:
         started = time.perf_counter()
         now = time.monotonic()
         jobs = self._sluice_jobs
-        served = [jobs[rid] for rid in self._sluice_served if rid in jobs]
-        if served:
-            self.sluice_policy.on_step(served, step_s, now)
+        c = self.sluice_counters
+        tokens = scheduler_output.total_num_scheduled_tokens
+        if tokens:  # sums of a least-squares line step_s = a + b * tokens (benchmarks fit the price list)
+            c["fit_n"] += 1
+            c["fit_x"] += tokens
+            c["fit_y"] += step_s
+            c["fit_xx"] += tokens * tokens
+            c["fit_xy"] += tokens * step_s
+        if self._sluice_times:
+            self.sluice_policy.on_step_time(step_s)
+        if self._sluice_steps:
+            self._sluice_pending.update(self._sluice_served)
+            self._sluice_pending_s += step_s
+            self._sluice_pending_steps += 1
+            if self._sluice_pending_steps >= self._sluice_every:
+                served = [jobs[rid] for rid in self._sluice_pending if rid in jobs]
+                if served:
+                    self.sluice_policy.on_step(served, self._sluice_pending_s, now)
+                self._sluice_pending.clear()
+                self._sluice_pending_s = 0.0
+                self._sluice_pending_steps = 0
         for engine_outputs in outputs.values():
             for o in engine_outputs.outputs:
                 if o.finish_reason is not None:
