@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -42,7 +43,7 @@ from tests.vllm_plugin_harness import TINY_MODEL  # noqa: E402
 
 SERVE_FLAGS = [
     "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
-    "--gpu-memory-utilization", "0.1", "--block-size", "32", "--max-model-len", "2048",
+    "--kv-cache-memory-bytes", str(256 * 2**20), "--block-size", "32", "--max-model-len", "2048",
     "--max-num-batched-tokens", "1024", "--no-enable-prefix-caching",
 ]  # fmt: skip
 TTFT_SLO_S = 1.0  # online requests' SLOs for goodput (and their hints)
@@ -253,9 +254,12 @@ class Server:
             cmd += ["--scheduler-cls", "sluice_vllm.scheduler.SluiceScheduler"]
             env |= {"SLUICE_VLLM_POLICY": policy, "SLUICE_VLLM_TRACE": str(self.trace)}
         self.log = (log_dir / f"serve-{port}.log").open("w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        # its own process group, so stopping it reaches the engine core and worker it spawns
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
-    def wait(self, timeout_s: float = 400) -> None:
+    def wait(self, timeout_s: float = 1200) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -276,72 +280,74 @@ class Server:
         return last[-1]["counters"] if last else {}
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        for sig, wait_s in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=wait_s)
+                break
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                continue
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # what the server's own shutdown left behind
         self.log.close()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Every server starts at once (idle engines wait on their input queue), then the runs go
+    one at a time: vLLM's own vs the FCFS plug-in interleaved over repeats, then each load with
+    every scheduler in turn, so drift of a shared machine spreads over all of them."""
     from tqdm import tqdm
+
+    from sluice_vllm.policies import step_time_line
 
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     loads = [float(x) for x in args.rates.split(",")]
-    results: dict[str, Any] = {"rates": loads, "requests": args.requests, "max_num_seqs": args.max_num_seqs}
-    port = args.port
+    names = ["vllm", "fcfs", *args.policy]
+    results: dict[str, Any] = {
+        "rates": loads,
+        "requests": args.requests,
+        "max_num_seqs": args.max_num_seqs,
+        "policies": {n: {} for n in names},
+    }
+    servers = {
+        name: Server(None if name == "vllm" else name, args.port + k, args.max_num_seqs, log_dir)
+        for k, name in enumerate(names)
+    }
+    try:
+        for server in tqdm(servers.values(), desc="servers up"):
+            server.wait(args.start_timeout_s)
 
-    def run(server: Server, rate: float, seed: int) -> dict[str, Any]:
-        trace = make_trace(rate, args.requests, seed)
-        res, wall = asyncio.run(replay(server.base, trace))
-        return summarize(trace, res, wall)
+        def run(name: str, rate: float, seed: int) -> dict[str, Any]:
+            trace = make_trace(rate, args.requests, seed)
+            res, wall = asyncio.run(replay(servers[name].base, trace))
+            return summarize(trace, res, wall)
 
-    # 1) vLLM's own scheduler vs the FCFS plug-in, interleaved, at the middle load
-    own, fcfs = Server(None, port, args.max_num_seqs, log_dir), Server("fcfs", port + 1, args.max_num_seqs, log_dir)
-    own.wait()
-    fcfs.wait()
-    rate = loads[len(loads) // 2]
-    pairs = []
-    for rep in tqdm(range(args.repeats), desc="vllm vs fcfs plug-in"):
-        order = [("vllm", own), ("fcfs", fcfs)] if rep % 2 == 0 else [("fcfs", fcfs), ("vllm", own)]
-        row = {name: run(s, rate, seed=100 + rep) for name, s in order}
-        pairs.append(row)
-    results["identity"] = {"rate": rate, "runs": pairs}
-    results["policies"] = {"vllm": {}, "fcfs": {}}
-    for name, server in (("vllm", own), ("fcfs", fcfs)):
-        for r in tqdm(loads, desc=name):
-            results["policies"][name][str(r)] = run(server, r, seed=7)
-    fit = fcfs.counters()
-    own.stop()
-    fcfs.stop()
-    from sluice_vllm.policies import step_time_line
+        def save() -> None:
+            if args.out:
+                Path(args.out).write_text(json.dumps(results, indent=1))
 
-    line = step_time_line(fit)
-    step_opts = ""
-    if line is not None:
-        results["step_time_fit"] = {"base_ms": line.base_s * 1e3, "us_per_token": line.per_token_s * 1e6}
-        step_opts = f"step_base_ms={line.base_s * 1e3:.3f},step_us_per_token={line.per_token_s * 1e6:.3f}"
-    print("step-time line fitted to the FCFS runs:", results.get("step_time_fit"))
-
-    # 2) each plug-in policy on the same traces
-    for policy in args.policy:
-        spec = policy
-        if step_opts and policy.split(":")[0] in ("sarathi", "fastserve", "accelgen", "slo_class"):
-            spec = policy + ("," if ":" in policy else ":") + step_opts
-        port += 2
-        server = Server(spec, port, args.max_num_seqs, log_dir)
-        server.wait()
-        results["policies"][policy] = {str(r): run(server, r, seed=7) for r in tqdm(loads, desc=policy)}
-        results["policies"][policy]["spec"] = spec
-        results["policies"][policy]["plugin_counters"] = server.counters()
-        server.stop()
-        if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=1))
+        rate = loads[len(loads) // 2]
+        pairs = []
+        for rep in tqdm(range(args.repeats), desc="vllm vs fcfs plug-in"):
+            order = ["vllm", "fcfs"] if rep % 2 == 0 else ["fcfs", "vllm"]
+            pairs.append({n: run(n, rate, seed=100 + rep) for n in order})
+        results["identity"] = {"rate": rate, "runs": pairs}
+        save()
+        for r in loads:
+            for name in tqdm(names, desc=f"rate {r}"):
+                results["policies"][name][str(r)] = run(name, r, seed=7)
+            save()
+        for name in names[1:]:
+            results["policies"][name]["plugin_counters"] = servers[name].counters()
+        line = step_time_line(servers["fcfs"].counters())
+        if line is not None:
+            results["step_time_fit"] = {"base_ms": line.base_s * 1e3, "us_per_token": line.per_token_s * 1e6}
+        save()
+    finally:
+        for server in servers.values():
+            server.stop()
     report(results)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
 
 
@@ -383,6 +389,7 @@ def main() -> int:
     s.add_argument("--max-num-seqs", type=int, default=8)
     s.add_argument("--policy", action="append", default=None)
     s.add_argument("--port", type=int, default=18200)
+    s.add_argument("--start-timeout-s", type=float, default=1500, help="a shared machine starts engines slowly")
     s.add_argument("--log-dir", default="out/vllm_plugin", help="servers' logs and plug-in traces")
     s.add_argument("--out")
     s.set_defaults(func=cmd_serve)
@@ -390,7 +397,7 @@ def main() -> int:
     if args.cmd == "overhead" and args.policy is None:
         args.policy = ["fcfs", "priority", "sarathi", "alise", "fastserve", "accelgen", "slo_class"]
     if args.cmd == "serve" and args.policy is None:
-        args.policy = ["alise", "sarathi:tbt_slo_ms=100", "fastserve", "accelgen", "priority", "slo_class"]
+        args.policy = ["alise", "sarathi:budget=128", "fastserve", "accelgen", "priority", "slo_class"]
     return int(args.func(args) or 0)
 
 

@@ -125,6 +125,12 @@ class SluiceSchedulerMixin:
         version = check_version()
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         check_members(self)  # type: ignore[arg-type]
+        if str(self.scheduler_config.policy) != "fcfs":  # type: ignore[attr-defined]
+            # vLLM's priority mode picks its own victims (max priority, arrival) over the running order
+            raise ValueError(
+                "sluice_vllm: leave vLLM's --scheduling-policy at fcfs; the order comes from SLUICE_VLLM_POLICY "
+                "(priority is `SLUICE_VLLM_POLICY=priority`)"
+            )
         self._sluice_limits = Limits(self.max_num_active_reqs, self.max_num_scheduled_tokens)  # type: ignore[attr-defined]
         self._sluice_jobs: dict[str, Job] = {}
         self._sluice_served: list[str] = []

@@ -260,3 +260,8 @@ def test_an_unreachable_predictor_fails_open() -> None:
     assert s._sluice_predictor.counters["predict_asked"] == 1
     assert any(k.startswith("predict_failed") for k in s._sluice_predictor.counters)
     s.shutdown()
+
+
+def test_vllms_own_priority_mode_is_refused_because_it_overrides_the_victim_choice() -> None:
+    with pytest.raises(ValueError, match="leave vLLM's --scheduling-policy at fcfs"):
+        plug(SluiceScheduler, "alise", scheduling_policy="priority")
