@@ -13,7 +13,7 @@
     python benchmarks/vllm_plugin.py serve --out docs/results/vllm_plugin.json
 
 The trace: Poisson arrivals; prompts 32-256 tokens; 70% short answers (8-32 tokens), 30% long
-ones (128-320); every request carries hints (oracle predicted_tokens, a TTFT and TBT SLO for
+ones (64-160); every request carries hints (oracle predicted_tokens, a TTFT and TBT SLO for
 online requests, jct_ms for the 20% offline ones, priority 0 for 30% of them). Outputs run to
 max_tokens (ignore_eos) so every scheduler generates the same tokens.
 """
@@ -135,7 +135,7 @@ def make_trace(rate: float, n: int, seed: int) -> list[TraceItem]:
     items = []
     for i in range(n):
         t += rng.expovariate(rate)
-        out = rng.randint(8, 32) if rng.random() < 0.7 else rng.randint(128, 320)
+        out = rng.randint(8, 32) if rng.random() < 0.7 else rng.randint(64, 160)
         plen = rng.randint(32, 256)
         online = rng.random() >= 0.2
         xargs: dict[str, Any] = {"predicted_tokens": out}
@@ -168,6 +168,7 @@ async def one_request(session: Any, url: str, item: TraceItem, t0: float) -> Res
         "stream": True,
         "priority": item.priority,
         "vllm_xargs": item.xargs,
+        "return_token_ids": True,
     }
     try:
         async with session.post(url, json=body) as resp:
@@ -179,8 +180,10 @@ async def one_request(session: Any, url: str, item: TraceItem, t0: float) -> Res
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[5:])
-                if chunk.get("choices"):
-                    res.token_times.append(time.monotonic())
+                for choice in chunk.get("choices") or ():
+                    # a loaded API server merges several tokens into one chunk: each counts
+                    ids = choice.get("token_ids")
+                    res.token_times += [time.monotonic()] * (len(ids) if ids is not None else 1)
     except Exception as exc:  # a failed request is reported, never counted as served
         res.error = repr(exc)
     res.tokens = len(res.token_times)
@@ -335,9 +338,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         results["identity"] = {"rate": rate, "runs": pairs}
         save()
         for r in loads:
-            for name in tqdm(names, desc=f"rate {r}"):
-                results["policies"][name][str(r)] = run(name, r, seed=7)
-            save()
+            for rep in range(args.policy_repeats):  # every scheduler once per repeat, interleaved
+                for name in tqdm(names, desc=f"rate {r} #{rep + 1}"):
+                    m = run(name, r, seed=7 + rep)
+                    results["policies"][name].setdefault(str(r), m)
+                    results["policies"][name].setdefault(f"{r}_runs", []).append(m)
+                save()
         for name in names[1:]:
             results["policies"][name]["plugin_counters"] = servers[name].counters()
         line = step_time_line(servers["fcfs"].counters())
@@ -383,10 +389,13 @@ def main() -> int:
     o.add_argument("--out")
     o.set_defaults(func=cmd_overhead)
     s = sub.add_parser("serve")
-    s.add_argument("--rates", default="3,6,12", help="requests/s: three loads, the last past capacity")
-    s.add_argument("--requests", type=int, default=80)
-    s.add_argument("--repeats", type=int, default=4, help="interleaved vLLM-vs-FCFS-plug-in runs")
-    s.add_argument("--max-num-seqs", type=int, default=8)
+    s.add_argument("--rates", default="0.75,1.5,3", help="requests/s: three loads, the last past capacity")
+    s.add_argument("--requests", type=int, default=30)
+    s.add_argument("--repeats", type=int, default=3, help="interleaved vLLM-vs-FCFS-plug-in runs")
+    s.add_argument("--max-num-seqs", type=int, default=4)
+    s.add_argument(
+        "--policy-repeats", type=int, default=1, help="runs of every scheduler at each load (seeds 7, 8, ...)"
+    )
     s.add_argument("--policy", action="append", default=None)
     s.add_argument("--port", type=int, default=18200)
     s.add_argument("--start-timeout-s", type=float, default=1500, help="a shared machine starts engines slowly")
