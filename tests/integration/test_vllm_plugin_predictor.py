@@ -12,6 +12,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request
+
 from predictor_service.engine import EngineConfig as PredictorEngineConfig
 from predictor_service.engine import PredictorEngine
 from predictor_service.server import start_server as start_predictor
@@ -38,9 +41,10 @@ async def test_predictions_are_applied_later_and_finished_lengths_observed(
     env = {"SLUICE_VLLM_POLICY": "alise", "SLUICE_VLLM_PREDICTOR": address, "SLUICE_VLLM_PREDICTOR_TIMEOUT_MS": "5000"}
     s = build_scheduler(SluiceScheduler, env=env, max_num_seqs=1)
     history_before = len(engine.predictor.history)
-    busy = make_request("busy", 40, 30, predicted_tokens=30)
-    asked = make_request("asked", 40, 6)
-    asked.prompt_token_ids[:] = PROMPT
+    busy = make_request("busy", 40, 30, predicted_tokens=1)  # ranked first: holds the one seat
+    # stops on its own at its first token (the harness samples token 5): a natural length, which
+    # the predictor learns (a length cut at max_tokens is only a lower bound, not learned)
+    asked = Request("asked", PROMPT, SamplingParams(max_tokens=6, stop_token_ids=[5]), None)
     s.add_request(busy)
     s.add_request(asked)
     assert s._sluice_jobs["asked"].predicted == 6  # the fallback (max_tokens) until the answer comes
@@ -58,7 +62,8 @@ async def test_predictions_are_applied_later_and_finished_lengths_observed(
         step(s)
         await asyncio.sleep(0)
     deadline = time.monotonic() + 20
-    while len(engine.predictor.history) < history_before + 1:  # "asked" observed; "busy" too
+    assert s._sluice_jobs == {} and s.sluice_counters["finished"] == 2
+    while len(engine.predictor.history) < history_before + 1:  # "asked" learned; "busy" (cut) not
         assert time.monotonic() < deadline, "no Observe reached the predictor"
         await asyncio.sleep(0.05)
     assert s._sluice_predictor.counters["observed"] == 2
