@@ -140,7 +140,9 @@ class Limits:
 
 @dataclass
 class StepTimeOptions:
-    step_base_ms: float = 5.0  # fixed cost of one step (vLLM-CPU, tiny model; refit per deployment)
+    # The step-time line: a round default; fit it to the served engine (the plug-in's `fit_*`
+    # counters, `step_time_line`): a tiny Llama on the shared CPU machine measured 9.2 ms + 460 us/token.
+    step_base_ms: float = 5.0  # fixed cost of one step
     step_us_per_token: float = 100.0  # cost per scheduled token
 
     def pricer(self) -> LinearStepTime:
