@@ -26,7 +26,8 @@ LONG, SHORT = 48, 6  # output tokens
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Any]:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (read at build)
     from vllm import LLM
 
     llm = LLM(
@@ -43,6 +44,10 @@ def engine() -> Iterator[Any]:
         seed=0,
         scheduler_cls="sluice_vllm.scheduler.SluiceScheduler",
     )
+    if saved is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
     yield llm.llm_engine
     del llm
 
