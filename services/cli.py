@@ -187,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("profile", "services.profile", "measure a worker's step times and write a profile JSON"),
         ("worker", "services.worker", "run one worker service"),
         ("predictor", "services.predictor", "train, export, eval or serve the output-length predictor"),
+        ("vllm-serve", "sluice_vllm.launcher", "vllm serve MODEL with a Sluice policy as its scheduler (--policy)"),
     ):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -226,7 +227,12 @@ def _client_commands(sub: Any) -> None:
     bench.add_parser(sub)
 
 
-_DELEGATED = {"profile": "services.profile", "worker": "services.worker", "predictor": "services.predictor"}
+_DELEGATED = {
+    "profile": "services.profile",
+    "worker": "services.worker",
+    "predictor": "services.predictor",
+    "vllm-serve": "sluice_vllm.launcher",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

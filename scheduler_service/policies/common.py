@@ -18,6 +18,7 @@ from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.costmodel.base import CostModel
+from scheduler_service.policies.decisions import priority_key, priority_victim_key
 
 
 @dataclass
@@ -34,7 +35,7 @@ def waiting_order(step: StepBuilder, by_priority: bool) -> Iterator[Request]:
     """FCFS (preempted requests already sit at the head), or by (priority, arrival)."""
     if not by_priority:
         return _fcfs(step.waiting)
-    return iter(sorted(step.waiting.values(), key=lambda r: (r.priority, r.arrival_time)))
+    return iter(sorted(step.waiting.values(), key=lambda r: priority_key(r.priority, r.arrival_time)))
 
 
 def _fcfs(waiting: dict[str, Request]) -> Iterator[Request]:
@@ -51,7 +52,7 @@ def victim_order(running: list[Request], by_priority: bool) -> list[Request]:
     """Running requests, the first to preempt LAST (so `pop()` yields the next victim)."""
     if not by_priority:
         return running
-    return sorted(running, key=lambda r: (-r.priority, r.arrival_time), reverse=True)
+    return sorted(running, key=lambda r: priority_victim_key(r.priority, r.arrival_time), reverse=True)
 
 
 def schedule_with_preemption(

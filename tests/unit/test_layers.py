@@ -1,6 +1,7 @@
 """The layers of docs/ARCHITECTURE.md hold: each package imports only what lies below it.
 
     services/                          may import everything
+    sluice_vllm/                       the vLLM plug-in: may import scheduler_service and sluice
     scheduler_service/  worker_service/  predictor_service/  gateway_service/   side by side, never each other
     kvstore/                           accounting (pure Python) and paged (torch)
     sluice/                            the ground floor: contracts and plumbing, no service
@@ -21,14 +22,21 @@ SERVICES = ("scheduler_service", "worker_service", "predictor_service", "gateway
 
 # package -> top-level packages it must never import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "sluice": ("services", *SERVICES, "kvstore"),
+    "sluice": ("services", *SERVICES, "kvstore", "sluice_vllm", "vllm"),
     "kvstore": ("services", *SERVICES),
-    "scheduler_service": ("services", "worker_service", "predictor_service", "gateway_service", "torch"),
-    "worker_service": ("services", "scheduler_service", "predictor_service", "gateway_service"),
-    "predictor_service": ("services", "scheduler_service", "worker_service", "gateway_service"),
+    "scheduler_service": (
+        "services", "worker_service", "predictor_service", "gateway_service", "torch", "vllm", "sluice_vllm"
+    ),
+    "worker_service": ("services", "scheduler_service", "predictor_service", "gateway_service", "sluice_vllm"),
+    "predictor_service": ("services", "scheduler_service", "worker_service", "gateway_service", "sluice_vllm"),
     # the HTTP gateway is a client of the scheduler's public gRPC API, like any other
-    "gateway_service": ("services", "scheduler_service", "worker_service", "predictor_service", "torch", "vllm"),
+    "gateway_service": (
+        "services", "scheduler_service", "worker_service", "predictor_service", "sluice_vllm", "torch", "vllm"
+    ),
+    "sluice_vllm": ("services", "worker_service", "predictor_service", "gateway_service", "kvstore"),
 }
+# vLLM is imported only by the modules that adapt to it: the plug-in's and the tests'.
+VLLM_ADAPTERS = ("sluice_vllm/vllm_compat.py", "sluice_vllm/scheduler.py", "sluice_vllm/launcher.py")
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -58,6 +66,32 @@ def test_package_imports_nothing_above_or_beside_it(package: str) -> None:
     if not (ROOT / package).is_dir():
         pytest.skip(f"{package}/ does not exist")
     assert violations(package, FORBIDDEN[package]) == []
+
+
+def test_vllm_is_imported_only_by_its_adapters() -> None:
+    """Nowhere in the project but the plug-in's adapter modules (the scheduler core, the
+    policies and the plug-in's own policy code stay free of it, so they run without vLLM)."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in (".venv", "tests") or rel.as_posix() in VLLM_ADAPTERS:
+            continue
+        for line, module in imported_modules(path):
+            if module.split(".")[0] == "vllm":
+                found.append(f"{rel}:{line} imports {module}")
+    assert found == []
+
+
+def test_the_plugin_core_runs_without_vllm() -> None:
+    """sluice_vllm's policies, hints and configuration import no vLLM, even indirectly."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, sluice_vllm.policies, sluice_vllm.hints, sluice_vllm.config, sluice_vllm.predictor;"
+        "sys.exit(1 if any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules) else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
 def test_kv_accounting_stays_free_of_torch() -> None:

@@ -75,6 +75,7 @@ from scheduler_service.policies.accelgen.queue import (
 )
 from scheduler_service.policies.accelgen.select import Candidate, CandidateSet
 from scheduler_service.policies.common import preemption_mode, time_limited_chunk
+from scheduler_service.policies.decisions import eq6_budget
 from sluice.contract.plan import StepPlan, StepResult
 
 Entry = tuple[float, int, str]
@@ -158,8 +159,7 @@ class AccelGenPolicy(Policy):
         cap = self.ctx.max_num_batched_tokens
         if not self.config.chunk:
             return min(self.config.fixed_budget, cap)
-        s_b = int(self.pivot_tokens * slo_min_s / self.pivot_s)
-        return max(min(self.config.min_budget, cap), min(s_b, cap))
+        return eq6_budget(self.pivot_tokens, self.pivot_s, slo_min_s, self.config.min_budget, cap)
 
     def _fix_budget(self, r: _Round, slo_s: float) -> None:
         """The first chosen request fixes SLO_min (queue tightest first); under FCFS a later,

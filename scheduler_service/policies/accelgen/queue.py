@@ -19,11 +19,17 @@ what an iteration over- or under-uses is carried into the next (`JCTBudget`).
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from dataclasses import dataclass
 
 from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.policies.decisions import (
+    is_offline_slo,
+    iteration_slo_s,
+    jct_allowed_s,
+    num_chunks,
+    online_remaining_s,
+)
 
 
 @dataclass(slots=True)
@@ -144,30 +150,28 @@ class RemainingTime:
     def iteration_slo(self, request: Request) -> float:
         """TTFT SLO for its prompt, TBT SLO for each later token (defaults when absent)."""
         slo = request.slo
-        if request.num_output_tokens == 0:
-            return slo.ttft_s if slo.ttft_s is not None else self.default_ttft_s
-        return slo.tbt_s if slo.tbt_s is not None else self.default_tbt_s
+        return iteration_slo_s(
+            request.num_output_tokens, slo.ttft_s, slo.tbt_s, self.default_ttft_s, self.default_tbt_s
+        )
 
     def num_chunks(self, request: Request) -> int:
         """N_ck = ceil(S_r / L_c) for a prompt (or its rest), 1 for a decode."""
-        remaining = request.num_prefill_remaining
-        return max(1, math.ceil(remaining / self.avg_chunk)) if remaining else 1
+        return num_chunks(request.num_prefill_remaining, self.avg_chunk)
 
     def online_remaining(self, request: Request) -> float:
         """T_r at entry (T_w = 0): SLO - N_ck * T_max."""
-        return self.iteration_slo(request) - self.num_chunks(request) * self.t_max_s
+        return online_remaining_s(self.iteration_slo(request), self.num_chunks(request), self.t_max_s)
 
     def jct_budget(self, request: Request, slo_left_s: float) -> JCTBudget:
         """Allowed wait per iteration of an offline request with `slo_left_s` of its JCT SLO left."""
         n_ck = self.num_chunks(request) if request.is_prefill else 0
         s_g = request.remaining_output_estimate
-        t_e = n_ck * self.t_max_s + s_g * (self.t_max_s + self.p_max_s * self.preempt_prob)
-        return JCTBudget((slo_left_s - t_e) / (n_ck + s_g))
+        return JCTBudget(jct_allowed_s(slo_left_s, n_ck, s_g, self.t_max_s, self.p_max_s, self.preempt_prob))
 
 
 def is_offline(request: Request) -> bool:
     slo = request.slo
-    return slo.jct_s is not None and slo.ttft_s is None and slo.tbt_s is None
+    return is_offline_slo(slo.ttft_s, slo.tbt_s, slo.jct_s)
 
 
 def holds_kv(request: Request) -> bool:

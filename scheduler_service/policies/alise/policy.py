@@ -38,7 +38,6 @@ Configuration: see `AliseConfig`. Deviations from the paper are NOTE'd where the
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -49,6 +48,13 @@ from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.costmodel.base import CostModel
+from scheduler_service.policies.decisions import (
+    aging_due,
+    alise_level,
+    alise_remaining_s,
+    demoted_level,
+    mispredicted_length,
+)
 from scheduler_service.policies.mlfq import JobState, MemoryMode, QueuePolicy, QueuePolicyConfig, Rank
 from sluice.contract.plan import StepPlan, StepResult
 
@@ -131,14 +137,14 @@ class AlisePolicy(QueuePolicy):
     # ------------------------------------------------------------------ estimates
     def remaining_time(self, req: Request) -> float:
         st: JobState = req.policy_state
-        left = max(1, st.predicted - req.num_output_tokens)
-        return self.model.prefill(req.num_prefill_remaining) + self.model.decode(req.num_tokens, left)
+        m = self.model
+        return alise_remaining_s(
+            m.t0, m.alpha, m.beta, req.num_prefill_remaining, req.num_tokens, st.predicted, req.num_output_tokens
+        )
 
     def level_for(self, remaining_s: float) -> int:
         """Queue of a job by remaining time: 1 below the base, one more per doubling."""
-        if remaining_s < self.level_base_s:
-            return 1
-        return min(self.config.num_queues, 2 + int(math.log2(remaining_s / self.level_base_s)))
+        return alise_level(remaining_s, self.level_base_s, self.config.num_queues)
 
     def rank(self, req: Request) -> Rank:
         st: JobState = req.policy_state
@@ -193,8 +199,8 @@ class AlisePolicy(QueuePolicy):
 
     def _mispredicted(self, req: Request, st: JobState) -> None:
         """Generated reached the prediction without finishing: double it and demote."""
-        st.predicted = max(2 * st.predicted, req.num_output_tokens + 1)
-        st.level = min(self.config.num_queues, max(st.level + 1, self.level_for(self.remaining_time(req))))
+        st.predicted = mispredicted_length(st.predicted, req.num_output_tokens)
+        st.level = demoted_level(st.level, self.remaining_time(req), self.level_base_s, self.config.num_queues)
 
     # ------------------------------------------------------------------ aging
     def before_step(self, step: StepBuilder, now: float) -> None:
@@ -204,7 +210,7 @@ class AlisePolicy(QueuePolicy):
             st: JobState = req.policy_state
             if req.status.is_finished or req.request_id not in self.jobs or st.level == 0:
                 continue
-            if st.clock + self.age_s <= now:  # NOTE: the heap's own arithmetic, or rounding loops
+            if aging_due(st.clock, self.age_s, now):  # NOTE: the heap's own arithmetic, or rounding loops
                 self._promote(req, st, now)
             heapq.heappush(aging, (st.clock + self.age_s, seq, req))
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from scheduler_service.core.policy import POLICIES, PolicyContext
 from scheduler_service.core.request import Request
+from scheduler_service.policies.decisions import mlfq_quanta, quantum_spent, skip_join_level
 from scheduler_service.policies.mlfq import JobState, QueuePolicy, QueuePolicyConfig, Rank
 from sluice.contract.plan import StepPlan, StepResult
 
@@ -51,7 +52,7 @@ class FastServePolicy(QueuePolicy):
             base = ctx.cost_model.decode_time(1, 512)
         else:
             base = DEFAULT_QUANTUM_S
-        self.quanta = [base * 2**i for i in range(config.num_queues)]
+        self.quanta = mlfq_quanta(base, config.num_queues)
 
     def prefill_time(self, num_tokens: int) -> float:
         cm = self.ctx.cost_model
@@ -59,8 +60,7 @@ class FastServePolicy(QueuePolicy):
 
     def join_level(self, request: Request) -> int:
         """Skip-join: the first queue whose quantum covers the job's prefill time."""
-        prefill = self.prefill_time(request.num_prompt_tokens)
-        return next((i for i, q in enumerate(self.quanta) if q >= prefill), len(self.quanta) - 1)
+        return skip_join_level(self.quanta, self.prefill_time(request.num_prompt_tokens))
 
     def rank(self, req: Request) -> Rank:
         st: JobState = req.policy_state
@@ -77,7 +77,6 @@ class FastServePolicy(QueuePolicy):
         self.queues.push(req)
 
     def on_step_result(self, plan: StepPlan, result: StepResult, now: float) -> None:
-        last = len(self.quanta) - 1
         for rid in plan.num_scheduled_tokens:
             req = self.jobs.get(rid)
             if req is None:
@@ -85,7 +84,7 @@ class FastServePolicy(QueuePolicy):
             st: JobState = req.policy_state
             st.clock = now
             st.attained += result.total_s
-            if st.attained >= self.quanta[st.level] and st.level < last:
+            if quantum_spent(st.level, st.attained, self.quanta):
                 st.level += 1
                 st.attained = 0.0
                 st.key = float(self.next_seq())  # the tail of the next queue

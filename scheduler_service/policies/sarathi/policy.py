@@ -19,8 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler_service.core.policy import POLICIES
-from scheduler_service.costmodel.base import CostModel
 from scheduler_service.policies.baselines.vllm_chunked import ChunkedConfig, ChunkedPrefillPolicy
+from scheduler_service.policies.decisions import budget_from_tbt_slo
+
+__all__ = ["SarathiConfig", "SarathiPolicy", "budget_from_tbt_slo"]
 
 
 @dataclass
@@ -29,17 +31,6 @@ class SarathiConfig(ChunkedConfig):
     tbt_slo_s: float | None = None  # None: the deployment's TBT SLO (PolicyContext), else tau = 512
     tile: int = 128  # tau is rounded down to a multiple of this
     price_in_time: bool = True  # also cut chunks where the step's predicted time passes the TBT SLO
-
-
-def budget_from_tbt_slo(cost_model: CostModel, tbt_slo_s: float, tile: int, max_tokens: int = 16384) -> int:
-    """Largest multiple of `tile` whose prefill iteration time fits in the TBT SLO
-    (at least one tile, so progress is always possible)."""
-    best = tile
-    size = tile
-    while size <= max_tokens and cost_model.prefill_time(size) <= tbt_slo_s:
-        best = size
-        size += tile
-    return best
 
 
 @POLICIES.register("sarathi")
