@@ -99,3 +99,21 @@ def test_deepspeed_rule_is_the_papers_algorithm_2() -> None:
     huge = MemoryEstimator(10**7, 16, 0.9, deepspeed=True)
     assert huge.max_batch(100, 128) == 28 and huge.fits(28, 100, 128) and not huge.fits(29, 100, 128)
     assert MemoryEstimator(10**7, 16, 0.9).fits(29, 100, 128)  # Eq. 9 alone
+
+
+def test_econoserve_counts_prompt_admissions_by_rule_and_kvcpipe_lends() -> None:
+    wl = _trace("econoserve-sharegpt", 120, 6.0, "econoserve")
+    paper, _ = _stats(SimConfig(policy="econoserve", kv_gb=2, block_size=32, length_source="oracle"), wl)
+    assert paper["pt_reserve_admissions"] > 0 and paper.get("pt_pool_admissions", 0) == 0
+    assert paper["pipe_guests"] > 0  # KVCPipe lent a host's unused tail
+    pool, _ = _stats(
+        SimConfig(
+            policy="econoserve:pt_reserve_only=false,admit_future=1,pipe=false",
+            kv_gb=2,
+            block_size=32,
+            length_source="oracle",
+        ),
+        wl,
+    )
+    assert pool["pt_pool_admissions"] > 0 and pool.get("pt_reserve_admissions", 0) == 0
+    assert pool.get("pipe_guests", 0) == 0  # lending switched off
