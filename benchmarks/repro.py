@@ -1,23 +1,34 @@
-"""One command per paper: its headline comparison, run the way a reviewer would accept.
+"""One command per paper: its headline claim, as two labelled comparisons, run the way a reviewer would accept.
 
-    python benchmarks/repro.py PAPER [--quick] [--seeds 3] [--duration 300] [--out docs/results/data/repro]
-                                     [--length-source predictor[:DIR]]
+    python benchmarks/repro.py PAPER [--claim NAME] [--quick] [--seeds 3] [--duration 300]
+                                     [--out docs/results/data/repro] [--length-source predictor[:DIR]]
     python benchmarks/repro.py econoserve --regroup 0.25,0.5,1,2     # the regroup factor, measured
 
-PAPER is sarathi, accelgen, econoserve, scls or alise. For each claim of the paper:
-- every system gets the same model, GPU, KV cache size, block size and precision (the only
-  per-system settings are the ones the paper's system itself has, listed in `System.extra`);
+PAPER is sarathi, accelgen, econoserve, scls or alise. Each claim holds the paper's number as
+data (`Claim.paper_ratio`) and two comparisons (`Claim.comparisons`), printed side by side:
+- **published**: the paper's system as published against the paper's baseline as published,
+  same model, GPU and KV bytes, each system with its own published engine features (ALISE:
+  hybrid batching and resident int8 KV, `System.int8_kv`; vLLM: prefill-only iterations, fp16);
+  only this one is set against the paper's number;
+- **equal-engine**: both systems on one batching engine and KV precision, which isolates the
+  scheduling idea; an ablation, never called paper-faithful.
+Every system of a claim gets the same model, GPU, KV bytes, block size and the claim's
+`common` settings (one swap pricing for all); the only per-system settings are those of its
+own design (`System.extra`). Systems marked "ours" carry an extra the paper does not have and
+are in no comparison. Runs:
 - arrival rates are swept (Poisson), each run a fixed simulated duration of arrivals
-  (`--duration`), whose first `--warmup` share is excluded from the latency, SLO and
-  throughput numbers (steady state: the measured requests arrive into a loaded system);
-- several seeds (`--seeds`, each a different sample of the trace and of the arrivals), shown
-  as the mean and the min-max band;
+  (`--duration`, or the claim's), whose first `--warmup` share is excluded from the latency,
+  SLO and throughput numbers (steady state: the measured requests arrive into a loaded system);
+- several seeds (`--seeds`); each seed draws other lengths for every trace format (a generator
+  samples with it; a file is read whole and sampled with it) and other arrivals; shown as the
+  mean and the min-max band; a claim may cut lengths to the paper's limits (`max_input`,
+  `max_output`);
 - capacity, where the paper claims one, is the largest swept rate whose seeds' mean meets
   the paper's rule, refined by bisection between it and the next rate (`--refine` probes);
-  a system that misses the rule at the lowest swept rate is reported as "< floor" (the
-  floor is that rate), never searched below it;
-- systems marked "ours" carry an extra that the paper does not have; they are reported
-  beside the paper-faithful one, never in its place.
+  a system that misses the rule at the lowest swept rate is "< floor", never searched below;
+- each row carries the mechanism counters of the policy (`counters`, from the simulator's
+  `details.policy_stats`) and of the router (`router_counters`), so a table can show that a
+  paper's mechanism ran (`Claim.counters` picks the columns printed).
 Writes `<out>/<paper>.json` (every run) and `<out>/<paper>_<claim>.png` (one plot per claim),
 and prints markdown tables. `--length-source SRC` gives every system that reads predicted
 lengths (those not on `max_tokens`) SRC instead, labelled "system (SRC)", and writes
@@ -300,7 +311,6 @@ def _econoserve() -> list[Claim]:
             (
                 System("econoserve", ECONO_PUBLISHED, "noisy_oracle"),
                 System("econoserve-reserve-only", ECONO, "noisy_oracle"),
-                System("econoserve-nopipe", ECONO_PUBLISHED + ",pipe=false", "noisy_oracle"),
                 System("vllm", "vllm:preemption_mode=swap"),
                 System("vllm-hybrid", "vllm_chunked:preemption_mode=swap"),
             ),
@@ -454,7 +464,6 @@ def _alise() -> list[Claim]:
                     extra={"overlap_swap": True},
                     int8_kv=True,
                 ),
-                System("alise-vllm-engine", "alise", "noisy_oracle", extra={"overlap_swap": True}),
                 System("vllm", "vllm"),
                 System("vllm-hybrid-int8", "vllm_chunked", extra={"overlap_swap": True}, int8_kv=True),
             ),
@@ -1080,6 +1089,7 @@ def scls_cause(rate: float = 4.0, seed: int = 0) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paper", choices=sorted(PAPERS))
+    parser.add_argument("--claim", help="run only this claim of the paper (e.g. alise's sharegpt)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed .. first-seed + seeds - 1")
     parser.add_argument("--rates", help="comma-separated arrival rates instead of each claim's own sweep")
@@ -1106,6 +1116,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {"paper": "scls", "cause": scls_cause()}
     claims = PAPERS[args.paper]()
     name = args.paper
+    if args.claim:
+        known = [c.name for c in claims]
+        if args.claim not in known:
+            parser.error(f"--claim must be one of {', '.join(known)} for {args.paper}, got {args.claim!r}")
+        claims = [c for c in claims if c.name == args.claim]
+        name = f"{name}_{args.claim}"
     if args.regroup:
         if args.paper != "econoserve":
             parser.error("--regroup is measured for econoserve only")
