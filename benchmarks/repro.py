@@ -618,15 +618,24 @@ def workload(claim: Claim, cm: CostModel, rate: float, seed: int, setup: Setup) 
 def steady_metrics(sim: _Recorded, warmup_s: float) -> dict[str, Any]:
     """The run's metrics over the requests that arrived after the warm-up."""
     rec = MetricsRecorder()
+    # the measured window in two halves by arrival: a latency that still grows from the first
+    # half to the second is a transient (an overloaded queue), not a steady state
+    span = max((r.arrival_time for r in sim.made), default=0.0)
+    mid = (warmup_s + span) / 2
+    halves = (MetricsRecorder(), MetricsRecorder())
     for req in sim.made:
         if req.arrival_time < warmup_s:
             continue
-        rec.on_admitted(req)
         end = req.token_times[-1] if len(req.token_times) else req.arrival_time
-        rec.on_finish(req, end)
+        for r in (rec, halves[req.arrival_time >= mid]):
+            r.on_admitted(req)
+            r.on_finish(req, end)
     m = rec.summary()
     d = rec.details()
+    early, late = (h.summary()["normalized_latency_s"] for h in halves)
     return {
+        "norm_latency_early_s": early,
+        "norm_latency_late_s": late,
         "num_measured": m["num_requests"],
         "num_finished": m["num_finished"],
         "num_good": rec.req_met,  # requests that met their SLO (goodput's count)
@@ -903,6 +912,8 @@ def claim_tables(res: dict[str, Any]) -> str:
                 text = f"{c['capacity']:.2f}" + (" (beyond the sweep)" if c.get("beyond_sweep") else "")
                 ratio = f"{c['capacity'] / ref:.2f}x" if ref else "-"
             lines.append(f"| {lab} | {text} | {ratio} |")
+    if any(r.get("norm_latency_late_s") is not None for r in res["rows"]) and res["capacity"]:
+        lines += ["", growth_table(res)]
     if res.get("comparisons"):
         lines += ["", comparison_table(res)]
     if res.get("counters"):
@@ -950,6 +961,26 @@ def _ratio_text(res: dict[str, Any], sys_label: str, base_label: str) -> str:
             text += f" ({good_m} vs {good_b} of {judged} requests met their SLO)"
         parts.append(text)
     return "; ".join(parts) or "-"
+
+
+def growth_table(res: dict[str, Any]) -> str:
+    """Normalized latency of the measured window's second half over its first (by arrival),
+    mean over seeds: about 1 in a steady state, well above 1 while a queue still grows."""
+    rates = res["setup"]["rates"]
+    lines = [
+        "Steady state: normalized latency, second half of the measured arrivals over the first (mean over seeds)",
+        "",
+        "| system | " + " | ".join(f"{r:g}" for r in rates) + " |",
+        "|---|" + "---|" * len(rates),
+    ]
+    for s in res["systems"]:
+        cells = []
+        for rate in rates:
+            rows = [r for r in res["rows"] if r["system"] == s["label"] and r["rate"] == rate]
+            ratios = [r["norm_latency_late_s"] / r["norm_latency_early_s"] for r in rows if r.get("norm_latency_early_s")]
+            cells.append(fmt(float(np.mean(ratios))) if ratios else "-")
+        lines.append(f"| {s['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def comparison_table(res: dict[str, Any]) -> str:
