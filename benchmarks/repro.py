@@ -977,7 +977,9 @@ def growth_table(res: dict[str, Any]) -> str:
         cells = []
         for rate in rates:
             rows = [r for r in res["rows"] if r["system"] == s["label"] and r["rate"] == rate]
-            ratios = [r["norm_latency_late_s"] / r["norm_latency_early_s"] for r in rows if r.get("norm_latency_early_s")]
+            ratios = [
+                r["norm_latency_late_s"] / r["norm_latency_early_s"] for r in rows if r.get("norm_latency_early_s")
+            ]
             cells.append(fmt(float(np.mean(ratios))) if ratios else "-")
         lines.append(f"| {s['label']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
