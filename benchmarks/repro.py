@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from scheduler_service.cluster.lengths import LengthSource
 from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.request import Request
 from scheduler_service.core.slo import SLOClass, SLOSpec
@@ -62,7 +63,13 @@ from scheduler_service.sim.slo_profiles import apply_slo_profile, econoserve_lat
 from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
 from scheduler_service.sim.workloads.base import TraceRequest
 from scheduler_service.sim.workloads.synthetic import SYNTHETIC_WORKLOADS
-from services.lengths import is_predictor_source, predictor_lengths
+from services.lengths import (
+    OnlinePredictorLengths,
+    is_online_source,
+    is_predictor_source,
+    model_dir_of,
+    predictor_lengths,
+)
 from sluice.common.tokenizer import demo_tokenizer_path
 
 # vLLM v0's swap, beyond bytes / PCIe bandwidth: each block is one cudaMemcpyAsync per layer
@@ -665,11 +672,11 @@ def run_one(claim: Claim, system: System, rate: float, seed: int, setup: Setup) 
         max_model_len = cm.num_kv_blocks(claim.block_size, 0.9, claim.kv_gb) * claim.block_size
     # the predictor runs before the simulation (once per prompt set: cached on disk) and its
     # answers go in as a table; the builtin sources are built by the simulator from their name
-    table = (
-        predictor_lengths(system.length_source, wl, seed, progress=False)
-        if is_predictor_source(system.length_source)
-        else None
-    )
+    table: LengthSource | None = None
+    if is_predictor_source(system.length_source):
+        table = predictor_lengths(system.length_source, wl, seed, progress=False)
+    elif is_online_source(system.length_source):
+        table = OnlinePredictorLengths(model_dir_of(system.length_source), wl, progress=False)
     kv_gb = claim.kv_gb
     if system.int8_kv:
         # NOTE: the same bytes at one byte per value: twice fp16's tokens (the claim fixes the bytes)
@@ -697,6 +704,8 @@ def run_one(claim: Claim, system: System, rate: float, seed: int, setup: Setup) 
         "lengths": full.config["length_source"],
     }
     row.update(steady_metrics(sim, setup.warmup * span))
+    if isinstance(table, OnlinePredictorLengths):
+        row["history_learned"] = table.num_observed  # finished requests the predictor's history took in
     fm = full.metrics
     row.update(
         kv_util_mean=fm["kv_util_mean"],
@@ -1172,8 +1181,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         name = f"{name}_{'-'.join(f'{r:g}' for r in rates)}"  # beside, not over, the full sweep's file
     if args.length_source:
         known = ("oracle", "noisy_oracle", "max_tokens")
-        if args.length_source not in known and not is_predictor_source(args.length_source):
-            parser.error(f"--length-source must be one of {', '.join(known)} or predictor[:DIR]")
+        src = args.length_source
+        if src not in known and not is_predictor_source(src) and not is_online_source(src):
+            parser.error(
+                f"--length-source must be one of {', '.join(known)}, predictor[:DIR] or predictor-online[:DIR]"
+            )
         claims = [with_length_source(c, args.length_source) for c in claims]
         name = f"{name}_{args.length_source.split(':')[0]}"
     if args.quick:
