@@ -1131,6 +1131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paper", choices=sorted(PAPERS))
     parser.add_argument("--claim", help="run only this claim of the paper (e.g. alise's sharegpt)")
+    parser.add_argument("--systems", help="comma-separated labels: run only these systems of the claim(s)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed .. first-seed + seeds - 1")
     parser.add_argument("--rates", help="comma-separated arrival rates instead of each claim's own sweep")
@@ -1171,6 +1172,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except ValueError:
             parser.error(f"--regroup must be comma-separated numbers, got {args.regroup!r}")
         claims, name = _econoserve_regroup(factors), "econoserve_regroup"
+    if args.systems:
+        wanted = set(args.systems.split(","))
+        known = {s.label for c in claims for s in c.systems}
+        if not wanted <= known:
+            parser.error(f"--systems must name systems of the claim: {', '.join(sorted(known))}")
+        # the comparisons need both sides; a partial run reports no capacity ratio
+        claims = [
+            replace(c, systems=tuple(s for s in c.systems if s.label in wanted), comparisons=(), rule=None)
+            for c in claims
+        ]
+        name = f"{name}_{'-'.join(sorted(wanted))}"
     if args.rates:
         try:
             rates = tuple(sorted(float(r) for r in args.rates.split(",")))
