@@ -3,6 +3,10 @@
     bucket_accuracy   ALISE's rule (sluice.contract.lengths): same 100-token bin, last bin open
     mae_tokens        mean |predicted - true| in tokens
     spearman          rank correlation of predicted and true lengths (ties get average ranks)
+    kendall_tau       Kendall's tau-b of predicted and true lengths: the share of job pairs a
+                      shortest-first scheduler orders rightly, minus the share it orders wrongly
+    under_share       share of jobs whose prediction is below their true length (what costs
+                      a scheduler that allocates or ranks by the prediction: ALISE, EconoServe)
     coverage_80       share of true lengths inside [p10, p90]
     mode_bucket_rate  share of the most common true bin: what the best constant could score
     constant_mae      MAE of the best constant (the true median): what a predictor must beat
@@ -37,11 +41,31 @@ def spearman(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray) -
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def kendall_tau(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray, chunk: int = 512) -> float:
+    """Kendall's tau-b (ties in either variable corrected), exact over all pairs in row chunks."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    n = len(x)
+    concordant = tied_x = tied_y = 0.0
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        dx = np.sign(x[lo:hi, None] - x[None, :])
+        dy = np.sign(y[lo:hi, None] - y[None, :])
+        upper = np.arange(lo, hi)[:, None] < np.arange(n)[None, :]  # each pair once
+        concordant += float((dx * dy)[upper].sum())
+        tied_x += float(((dx == 0) & upper).sum())
+        tied_y += float(((dy == 0) & upper).sum())
+    pairs = n * (n - 1) / 2
+    denom = np.sqrt((pairs - tied_x) * (pairs - tied_y))
+    return float(concordant / denom) if denom > 0 else 0.0
+
+
 def point_metrics(true: np.ndarray, points: np.ndarray) -> dict[str, float]:
     return {
         "bucket_accuracy": bucket_accuracy(true, points),
         "mae_tokens": float(np.mean(np.abs(points - true))),
         "spearman": spearman(points, true),
+        "kendall_tau": kendall_tau(points, true),
+        "under_share": float(np.mean(np.asarray(points) < np.asarray(true))),
     }
 
 

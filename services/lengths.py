@@ -21,14 +21,21 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler_service.cluster.lengths import TableLengths
+from scheduler_service.cluster.lengths import LengthSource, TableLengths
+from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.sim.workloads import Workload
 
 PREFIX = "predictor"
+ONLINE = "predictor-online"
 
 
 def is_predictor_source(spec: str) -> bool:
     return spec == PREFIX or spec.startswith(PREFIX + ":")
+
+
+def is_online_source(spec: str) -> bool:
+    """`predictor-online[:DIR]`: the predictor in the run, its history learning (OnlinePredictorLengths)."""
+    return spec == ONLINE or spec.startswith(ONLINE + ":")
 
 
 def model_dir_of(spec: str) -> Path | None:
@@ -55,6 +62,51 @@ def predictor_lengths(spec: str, workload: Workload, seed: int = 0, progress: bo
     if requests and all(r.prompt_text for r in requests):
         return TableLengths(_from_text(model_dir, workload, progress), name="predictor")
     return TableLengths(_from_error_model(model_dir, workload, seed), name="predictor-error-model")
+
+
+class OnlinePredictorLengths(LengthSource):
+    """The real predictor inside the run: each request is predicted when it is submitted, from
+    the history as it is then, and every request that ends on its own (or at max_tokens) adds
+    its true length to that history, as the live service's predictor does (and ALISE's
+    Algorithm 1, line 12). The prompts are embedded once before the run (the costly part);
+    head, retrieval and blend run per request."""
+
+    name = "predictor-online"  # type: ignore[assignment]
+
+    def __init__(self, model_dir: Path | None, workload: Workload, progress: bool = True) -> None:
+        from predictor_service.predictor import LengthPredictor
+
+        self.predictor = LengthPredictor(model_dir)  # the served seed history, this run's to grow
+        reqs = [r for r in workload.requests if r.prompt_text]
+        texts = [r.prompt_text or "" for r in reqs]
+        rows = []
+        batch = 64
+        for lo in range(0, len(texts), batch):
+            rows.append(self.predictor.embed(texts[lo : lo + batch]))
+            if progress:
+                print(f"embedded {min(lo + batch, len(texts))}/{len(texts)} prompts", flush=True)
+        emb = np.concatenate(rows) if rows else np.zeros((0, 0))
+        self._rows = {
+            r.request_id: (emb[i], r.prompt_text or "", served_model_of(r.source)) for i, r in enumerate(reqs)
+        }
+        self.num_observed = 0
+
+    def predict(self, request: Request) -> int | None:
+        row = self._rows.get(request.request_id)
+        if row is None:
+            return None
+        emb, text, model = row
+        return self.predictor.predict_embedded(emb[None, :], [text], [model])[0].tokens
+
+    def observe(self, request: Request) -> None:
+        row = self._rows.get(request.request_id)
+        # NOTE: only a request that stopped on its own: a length cut at max_tokens is a lower
+        # bound and an abort says nothing (the live predictor's rule)
+        if row is None or request.status is not RequestStatus.FINISHED_STOPPED:
+            return
+        emb, _, model = row
+        self.predictor.observe(emb, model, request.num_output_tokens)
+        self.num_observed += 1
 
 
 def _from_text(model_dir: Path | None, workload: Workload, progress: bool) -> dict[str, int]:

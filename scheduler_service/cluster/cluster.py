@@ -289,8 +289,10 @@ class Cluster:
         """Finished requests leave the router's books; requests the policy handed back are
         placed again (possibly on another worker)."""
         router = self._router
+        lengths = self.spec.length_source
         for request in finished:
             router.on_request_left(request, worker, now)
+            lengths.observe(request)
         self._ended += finished
         for request in self.schedulers[worker].pop_returned():
             router.on_request_left(request, worker, now)

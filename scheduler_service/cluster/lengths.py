@@ -7,6 +7,8 @@ Cluster when a request is submitted (so the simulator and the live service share
     given          keep what the request carries (live: the client's field or the predictor's
                    answer, set at intake), else no prediction
     table          precomputed predictions by request id (a predictor run over a trace's prompts)
+    online         the predictor at submission, its history learning each finished request's
+                   true length (services/lengths.py), as the live service's does
 
 A request that already carries a prediction keeps it, so a request re-routed after a lost
 worker or a returned slice is never predicted twice.
@@ -37,6 +39,10 @@ class LengthSource(ABC):
     @abstractmethod
     def predict(self, request: Request) -> int | None:
         """Predicted output tokens, or None for none."""
+
+    def observe(self, request: Request) -> None:
+        """A request ended; a source that learns (the predictor's history, ALISE's Algorithm 1
+        line 12) records its true length here. Most sources learn nothing."""
 
 
 class MaxTokensLengths(LengthSource):

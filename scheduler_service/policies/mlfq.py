@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 from abc import abstractmethod
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -138,6 +138,8 @@ class QueuePolicy(Policy):
         self.ranked: list[Request] = []  # this step's KV holders in rank order (ranks in policy_state.rank)
         self.admitted: list[Request] = []  # waiting jobs this step admitted
         self._seq = 0
+        # counters for reports (`stats_report`): which preemption path moved a job, and why
+        self.stats: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ ranking
     @abstractmethod
@@ -187,6 +189,7 @@ class QueuePolicy(Policy):
             self.fill_batch(step, admit_waiting=self.hybrid_batches)
             for req in [r for r in step.running.values() if not step.is_scheduled(r)]:
                 step.preempt(req, PreemptionMode.KEEP, PreemptionReason.PRIORITY)
+                self.stats["priority_pauses"] += 1
         self.after_batch(step, now)
         # NOTE: dropped at once, so this step's thousands of (rank, job) pairs die young
         # instead of surviving into the collector's oldest generation: kept until the next
@@ -245,6 +248,7 @@ class QueuePolicy(Policy):
                 return False
             if req.status.is_running and not step.is_scheduled(req):
                 step.preempt(req, PreemptionMode.KEEP, PreemptionReason.PRIORITY)
+                self.stats["priority_pauses"] += 1
                 return True
         return False
 
@@ -382,8 +386,14 @@ class QueuePolicy(Policy):
                 victims.append(victim)
                 return False
             step.preempt(victim, self.evict_mode(), PreemptionReason.KV_PRESSURE)
+            # a forced eviction (KV pressure), by what actually happened to the victim's KV
+            swapped = victim.status is RequestStatus.PREEMPTED_SWAPPED
+            self.stats["forced_swap_outs" if swapped else "forced_recomputes"] += 1
             return True
         return False
+
+    def stats_report(self) -> dict[str, object]:
+        return dict(sorted(self.stats.items()))
 
     @staticmethod
     def can_swap_out(step: StepBuilder, req: Request) -> bool:

@@ -76,6 +76,11 @@ class Router(ABC):
     def next_release(self, now: float) -> float | None:
         return None
 
+    def stats_report(self) -> dict[str, object]:
+        """Counters a router keeps about its own decisions (e.g. SCLS's memory-rule caps),
+        for the simulator's `router_stats`; empty for a router that keeps none."""
+        return {}
+
 
 ROUTERS: Registry[type[Router]] = Registry("router")
 

@@ -383,6 +383,7 @@ class Simulation:
         details["policy_stats"] = {
             str(w): stats for w, s in self.cluster.schedulers.items() if (stats := s.policy.stats_report())
         }
+        details["router_stats"] = self.cluster.router.stats_report()
         if isinstance(self.cluster, DisaggCluster):
             link = self.link
             details["disagg"] = {

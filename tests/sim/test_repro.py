@@ -19,14 +19,46 @@ def test_every_paper_compares_its_systems_on_one_setup_with_its_own_baseline(rep
                 # a system may only bring settings of its own design, never more KV or another model
                 assert not {"kv_gb", "block_size", "int8_swap", "num_workers", "max_model_len"} & set(system.extra)
             assert any(not s.ours for s in claim.systems if s.label.startswith(paper[:4]))
+            # two labelled comparisons, both between systems of the claim, no "ours" line in either
+            kinds = {c.kind for c in claim.comparisons}
+            assert kinds == {repro.PUBLISHED, repro.EQUAL_ENGINE}, (paper, claim.name)
+            by_label = {s.label: s for s in claim.systems}
+            for c in claim.comparisons:
+                assert not by_label[c.system].ours and not by_label[c.baseline].ours
+            # the paper's line of AccelGen sizes chunks by Eq. 6 alone (our time pricing off)
+            for s in claim.systems:
+                if s.policy.startswith("accelgen") and not s.ours and "chunk=false" not in s.policy:
+                    assert "price_in_time=false" in s.policy
     scls = repro.PAPERS["scls"]()[0]
-    assert scls.baseline == "fastgen" and "vllm" not in [s.label for s in scls.systems]
+    assert scls.baseline.startswith("fastgen") and "vllm" not in [s.label for s in scls.systems]
+    assert scls.max_input == scls.max_output == 1024  # the paper's limits
+    assert "memory_rule=deepspeed" in next(s.router for s in scls.systems if s.label == "scls")
+
+
+def test_seeds_vary_the_lengths_of_every_trace_format(repro: ModuleType) -> None:
+    for trace in ("sharegpt", "econoserve-sharegpt"):  # a CSV file and a generator
+        a, b = (repro.sample_trace(trace, 50, seed) for seed in (0, 1))
+        assert [r.prompt_tokens for r in a.requests] != [r.prompt_tokens for r in b.requests], trace
+        again = repro.sample_trace(trace, 50, 0)
+        assert [r.prompt_tokens for r in again.requests] == [r.prompt_tokens for r in a.requests], trace
+    cut = repro.truncate(repro.sample_trace("sharegpt", 200, 0), 1024, 1024)
+    assert max(r.prompt_tokens for r in cut.requests) == 1024 and max(r.output_tokens for r in cut.requests) <= 1024
+
+
+def test_int8_resident_kv_doubles_tokens_in_the_same_bytes(repro: ModuleType) -> None:
+    claim = next(c for c in repro.PAPERS["alise"]() if c.name == "sharegpt")
+    setup = repro.Setup(20.0, 0.2, 30)
+    rows = {s.label: repro.run_one(claim, s, 1.0, 0, setup) for s in claim.systems if s.label in ("alise", "vllm")}
+    # the same workload fills half the share of a KV pool that holds twice the tokens
+    assert rows["alise"]["kv_util_mean"] < rows["vllm"]["kv_util_mean"]
+    assert rows["alise"]["counters"]  # ALISE's mechanism counters reach the row
 
 
 def test_quick_run_writes_rows_a_plot_and_the_json(repro: ModuleType, tmp_path: Path) -> None:
     results = repro.main(["sarathi", "--quick", "--out", str(tmp_path)])
     (claim,) = results["claims"]
     assert {r["system"] for r in claim["rows"]} == {"sarathi", "vllm"}
+    assert [c["kind"] for c in claim["comparisons"]] == ["published", "equal-engine"]
     for row in claim["rows"]:
         assert 0 < row["num_measured"] < row["num_requests"]  # the warm-up's arrivals are left out
         assert row["kv_used_mean"] <= row["kv_util_mean"]

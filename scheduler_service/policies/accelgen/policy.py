@@ -52,6 +52,7 @@ max_scan, allocate_whole_prompt, demote_missed, t_max_window, preemption_mode.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from scheduler_service.core.policy import POLICIES, Policy, PolicyConfig, PolicyContext
@@ -144,6 +145,8 @@ class AccelGenPolicy(Policy):
         self._chunks: list[int] = []
         self._mode = preemption_mode(config)
         self.num_alg2_placements = 0  # requests Algorithm 2's Euclidean rule added (reports)
+        # counters for reports (`stats_report`): whether each of the paper's mechanisms fired
+        self.stats: Counter[str] = Counter()
 
     def _pivot(self) -> tuple[int, float]:
         c = self.config
@@ -248,6 +251,21 @@ class AccelGenPolicy(Policy):
         for entry in r.deferred:
             self.index.restore(entry)
         step.metadata["accelgen_budget"] = step.budget.max_tokens
+        self._count_step(r)
+
+    def _count_step(self, r: _Round) -> None:
+        stats = self.stats
+        if not r.step.scheduled:
+            return
+        stats["steps"] += 1
+        stats["forward_tokens"] += r.step.budget.num_tokens
+        if r.budget_set:
+            stats["budget_tokens"] += r.step.budget.max_tokens
+            # Eq. 6 binds: the step's forward size reached S_b (something was cut or left out)
+            stats["budget_bound_steps"] += r.step.budget.remaining_tokens <= 0
+
+    def stats_report(self) -> dict[str, object]:
+        return {**dict(sorted(self.stats.items())), "alg2_placements": self.num_alg2_placements}
 
     def _ensure_progress(self, r: _Round) -> None:
         """Nothing fit (every candidate needs a block and none is free): the first request
@@ -278,6 +296,7 @@ class AccelGenPolicy(Policy):
             state = self.index.states[entry[2]]
             late = not state.holds_kv and not state.late and r.now > state.slo_end
             if self.config.demote_missed and late:
+                self.stats["demoted_missed"] += 1
                 self.index.demote(entry)
                 continue
             if not in_phase_one or (self.config.batch and not self._is_urgent(state, r.now)):
@@ -320,7 +339,9 @@ class AccelGenPolicy(Policy):
             return False
         if req.prefill_len < self.config.long_prompt_tokens:
             return False
-        return any(rid != req.request_id for rid in self.long_active)
+        blocked = any(rid != req.request_id for rid in self.long_active)
+        self.stats["era_holds"] += blocked
+        return blocked
 
     def _miss(self, r: _Round) -> None:
         r.misses += 1
@@ -333,11 +354,14 @@ class AccelGenPolicy(Policy):
         cm = self.ctx.cost_model
         priced = req.is_prefill and self.config.chunk and self.config.price_in_time and cm is not None
         if priced and 0 < r.no_chunk_from <= req.num_computed_tokens and r.memo_preempted == step.num_preempted:
+            self.stats["price_in_time_cuts"] += 1  # the cut pricing would make, counted alike
             return False  # NOTE: what time_limited_chunk answers (see _Round.no_chunk_from), without pricing
         if not waiting and req.is_prefill:
             n = min(n, max(kv_fit(step.kv, req, self.config.watermark), 1))  # a chunk that fits beats a preemption
         if priced:
-            n = time_limited_chunk(step, cm, self._step_slo(r), req, n)
+            cut = time_limited_chunk(step, cm, self._step_slo(r), req, n)
+            self.stats["price_in_time_cuts"] += cut < n
+            n = cut
             if n <= 0:
                 if req.num_computed_tokens:  # NOTE: 0 here means one token did not fit (common.py)
                     if r.memo_preempted != step.num_preempted:
@@ -359,6 +383,7 @@ class AccelGenPolicy(Policy):
                 return False
             victim = kv_victim(step, req, self.config.order)
             step.preempt(victim or req, self._mode, PreemptionReason.KV_PRESSURE)
+            self.stats["kv_preemptions"] += 1
             if victim is None:
                 return False
         self._scheduled(r, req, n)
@@ -458,9 +483,11 @@ class AccelGenPolicy(Policy):
             if pick is None:
                 break
             req = pick.request
+            prompt = req.is_prefill
             if self._admissible(r, req) and self._schedule(r, req, min(pick.tokens, a_c)):
                 picked += 1
                 self.num_alg2_placements += 1
+                self.stats["alg2_prompt_chunks" if prompt else "alg2_decodes"] += 1
             else:
                 r.deferred.append(pick.entry)
         return picked

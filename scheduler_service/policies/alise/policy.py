@@ -199,6 +199,7 @@ class AlisePolicy(QueuePolicy):
 
     def _mispredicted(self, req: Request, st: JobState) -> None:
         """Generated reached the prediction without finishing: double it and demote."""
+        self.stats["mispredictions"] += 1
         st.predicted = mispredicted_length(st.predicted, req.num_output_tokens)
         st.level = demoted_level(st.level, self.remaining_time(req), self.level_base_s, self.config.num_queues)
 
@@ -217,6 +218,7 @@ class AlisePolicy(QueuePolicy):
     def _promote(self, req: Request, st: JobState, now: float) -> None:
         waiting = st.in_heap
         self.queues.discard(req)
+        self.stats["agings"] += 1
         st.level -= 1
         st.clock = now
         if waiting:
@@ -262,6 +264,7 @@ class AlisePolicy(QueuePolicy):
                     # NOTE: a proactive swap-out the swap space cannot take is skipped (the job
                     # stays paused on the GPU), never turned into a recompute.
                     step.preempt(req, PreemptionMode.SWAP, PreemptionReason.PRIORITY)
+                    self.stats["ewt_swap_outs"] += 1  # Algorithm 2's proactive swap-out
                 slots -= 1
             # NOTE: the paper's M -= len(q); the queue's waiting jobs count too (they are
             # ranked against its paused ones), which offloads deep queues under load.
@@ -299,8 +302,8 @@ class AlisePolicy(QueuePolicy):
         it runs when its rank comes up, with no copy then."""
         kv = step.kv
         need = kv.num_blocks_for(req.num_computed_tokens + 1)
-        if kv.gpu.num_available() - need >= int(self.config.swap_headroom * kv.gpu.num_blocks):
-            step.swap_in(req)
+        if kv.gpu.num_available() - need >= int(self.config.swap_headroom * kv.gpu.num_blocks) and step.swap_in(req):
+            self.stats["ewt_early_swap_ins"] += 1
 
 
 def _first_two(item: tuple[float, int, Request]) -> tuple[float, int]:

@@ -332,14 +332,17 @@ class EconoServePolicy(Policy):
         if not self.config.pt_reserve_only:  # ours: any free KV, its future demand included
             committed = self.gtq.pending_blocks + self._pt_future_blocks
             if busy and prompt_blocks + self.config.admit_future * (future + committed) > kv.gpu.num_free:
+                self.stats["pt_refused_future_kv"] += 1
                 return False
         elif self.prefilling and self._pt_blocks + prompt_blocks > self._reserve_blocks:
             # The paper's rule: PTs' prompt KV comes from the reserve only (3.3.1, "a small
             # amount of KVC is reserved for PTs"); a prompt larger than the whole reserve
             # still starts when no other PT is being prefilled, or it would never run.
+            self.stats["pt_refused_reserve_full"] += 1
             return False
         if not step.schedule(req, num_tokens, cover=req.prefill_len, reserve=RESERVE):
             return False
+        self.stats["pt_reserve_admissions" if self.config.pt_reserve_only else "pt_pool_admissions"] += 1
         if num_tokens < req.prefill_len:
             self.stats["pt_chunks"] += 1
         self.ptq.remove(req.request_id)

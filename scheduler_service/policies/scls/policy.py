@@ -67,6 +67,8 @@ class SCLSStats:
     early_returns: int = 0
     returned: int = 0  # requests handed back to the pool at a slice end
     swapped: int = 0  # keep_kv: requests swapped out at a slice end
+    reprefill_tokens: int = 0  # tokens prefilled again at the start of a request's later slices
+    pad_tokens: int = 0  # padding rows' tokens of the batches' prefills
     slices_per_request: Counter[int] = field(default_factory=Counter)
 
 
@@ -98,6 +100,19 @@ class SCLSPolicy(Policy):
             return self.ctx.max_num_batched_tokens
         # NOTE: a static batch prefills all its padded rows in one iteration.
         return self.ctx.max_num_seqs * self.ctx.max_model_len
+
+    def stats_report(self) -> dict[str, object]:
+        st = self.stats
+        return {
+            "slices": st.num_batches,  # one static batch serves one slice
+            "rows": st.rows,
+            "early_returns": st.early_returns,
+            "returned_to_pool": st.returned,
+            "swapped_at_slice_end": st.swapped,
+            "reprefill_tokens": st.reprefill_tokens,
+            "pad_tokens": st.pad_tokens,
+            "finished_after_slices": {str(k): v for k, v in sorted(st.slices_per_request.items())},
+        }
 
     # ------------------------------------------------------------------ hooks
     def on_arrival(self, request: Request, now: float) -> None:
@@ -178,6 +193,8 @@ class SCLSPolicy(Policy):
         pad = 0
         for req in members:
             tag = slice_tag(req.policy_state)
+            if tag.num_slices:  # a later slice: its prompt and generated tokens are prefilled again
+                self.stats.reprefill_tokens += req.num_tokens_to_compute
             tag.num_slices += 1
             if not varlen:
                 tag.pad_tokens += padded - req.num_tokens
@@ -185,6 +202,7 @@ class SCLSPolicy(Policy):
         self.slice = _Slice(members, padded, slice_len, start_len={r.request_id: r.num_tokens for r in members})
         self.stats.num_batches += 1
         self.stats.rows += len(members)
+        self.stats.pad_tokens += pad
         if not varlen:  # variable-length attention: every row prefills at its own length
             step.metadata.update(padded_len=padded, pad_tokens=pad)
 

@@ -32,7 +32,7 @@ A bounded pool interval (`max_interval_s`, ours, 0 = unbounded as in the paper):
 I = max(xi x min_w load(w), Gamma) grows with the load, to minutes when batches of long
 prompts queue on a worker, and every arrival waits for the next tick; the bound caps I.
 Options: `scls:variant=full,slice_len=128,xi=0.5,gamma_s=3,zeta=0.9,pm_batch=16,max_batch=0,
-max_prefill_share=0,varlen_attention=false,max_interval_s=0`.
+max_prefill_share=0,varlen_attention=false,max_interval_s=0,memory_rule=eq9`.
 
 Importing `scheduler_service.policies` imports this module, which registers the two.
 """
@@ -40,6 +40,7 @@ Importing `scheduler_service.policies` imports this module, which registers the 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -52,6 +53,7 @@ from sluice.common.config import config_from_options
 from sluice.contract.profile import BatchShape
 
 VARIANTS = ("pm", "ab", "lb", "full")
+MEMORY_RULES = ("eq9", "deepspeed")
 
 
 def _estimator(ctx: RouterContext) -> ServingTimeEstimator | None:
@@ -112,12 +114,17 @@ class SCLSRouterConfig:
     max_prefill_share: float = 0.0  # ours: longer slices where the prefill passes this share; 0: fixed S
     varlen_attention: bool = False  # ours: the workers do not pad rows; price and check rows at their own length
     max_interval_s: float = 0.0  # ours: upper bound on the pool interval I of Eq. 12; 0: unbounded
+    # eq9: Eq. 9's KV check alone (the HF engine's rule); deepspeed: also the paper's Algorithm 2
+    # row caps (12/22/28 by L + S), the rule its DS-SCLS, compared with FastGen, ran under
+    memory_rule: str = "eq9"
 
     @classmethod
     def from_options(cls, options: dict[str, str]) -> SCLSRouterConfig:
         config = config_from_options(cls, options, "router 'scls'")
         if config.variant not in VARIANTS:
             raise ValueError(f"scls variant must be one of {VARIANTS}, got {config.variant!r}")
+        if config.memory_rule not in MEMORY_RULES:
+            raise ValueError(f"scls memory_rule must be one of {MEMORY_RULES}, got {config.memory_rule!r}")
         return config
 
 
@@ -143,6 +150,7 @@ class SCLSRouter(Router):
         self._ids = count()
         self._rr = 0
         self.num_releases = 0
+        self.stats: Counter[str] = Counter()  # reports (`stats_report`)
 
     @classmethod
     def create(cls, options: dict[str, str], ctx: RouterContext) -> Router:
@@ -190,11 +198,29 @@ class SCLSRouter(Router):
         if cfg.variant == "pm":
             cap = min(cap, cfg.pm_batch)
         lengths = [r.num_tokens for r in pending]
-        return dp_batches(lengths, cfg.slice_len, self.estimator, self.memory(loads), cap, cfg.varlen_attention)
+        memory = self.memory(loads)
+        batches = dp_batches(lengths, cfg.slice_len, self.estimator, memory, cap, cfg.varlen_attention)
+        self._count(batches, memory, cap)
+        return batches
+
+    def _count(self, batches: list[PlannedBatch], memory: MemoryEstimator, cap: int) -> None:
+        """Batches formed, their rows, and how many stopped at the memory rule's row limit."""
+        stats = self.stats
+        stats["batches"] += len(batches)
+        stats["rows"] += sum(len(b.members) for b in batches)
+        if self.config.varlen_attention:
+            return
+        for b in batches:
+            limit = memory.max_batch(b.padded_len, self.config.slice_len)
+            stats["memory_capped_batches"] += len(b.members) >= limit and limit < cap
+
+    def stats_report(self) -> dict[str, object]:
+        return {**dict(sorted(self.stats.items())), "releases": self.num_releases}
 
     def memory(self, loads: Sequence[WorkerLoad]) -> MemoryEstimator:
         blocks = min((w.total_gpu_blocks for w in loads if w.healthy), default=self.ctx.num_gpu_blocks)
-        return MemoryEstimator(blocks * self.ctx.block_size, self.ctx.block_size, self.config.zeta)
+        deepspeed = self.config.memory_rule == "deepspeed"
+        return MemoryEstimator(blocks * self.ctx.block_size, self.ctx.block_size, self.config.zeta, deepspeed)
 
     def batch_slice_len(self, rows: int, length: int, lengths: Sequence[int] | None = None) -> int:
         """S, or longer where the batch's prefill (`rows` padded to `length`, or the rows'
