@@ -49,6 +49,9 @@ class EngineConfig:
     attention: str = opt("auto", "auto (triton on CUDA when Triton imports, torch elsewhere), torch or triton")
     cuda_graphs: bool = opt(True, "replay decode steps as CUDA graphs (triton attention only)")
     max_graph_batch: int = opt(256, "largest decode batch captured as a CUDA graph")
+    vllm_compile: bool = opt(
+        True, "vllm engine: vLLM compiles its model (slower start, faster steps); --no-vllm-compile: eager"
+    )
 
 
 @dataclass(frozen=True)

@@ -68,3 +68,25 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from scheduler_service.core import plan\n    import torch.nn\n")
     assert [m for _, m in imported_modules(module)] == ["scheduler_service.core", "torch.nn"]
+
+
+# Modules that adapt to vLLM: the only ones that may import it (the project runs without it).
+VLLM_ADAPTERS = {"worker_service/vllm_engine.py"}
+PROJECT_PACKAGES = ("sluice", "kvstore", "services", *SERVICES)
+
+
+def test_only_the_vllm_adapters_import_vllm() -> None:
+    found = []
+    for package in PROJECT_PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel in VLLM_ADAPTERS:
+                continue
+            found += [f"{rel}:{line}" for line, m in imported_modules(path) if m.split(".")[0] == "vllm"]
+    assert found == []
+
+
+def test_the_engine_contract_and_registry_stay_free_of_torch_and_vllm() -> None:
+    for name in ("engine_contract.py", "engines.py"):
+        modules = [m.split(".")[0] for _, m in imported_modules(ROOT / "worker_service" / name)]
+        assert "torch" not in modules and "vllm" not in modules, name
