@@ -60,7 +60,11 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
-from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+from vllm.v1.core.kv_cache_utils import (
+    get_kv_cache_config_from_groups,
+    get_kv_cache_groups,
+    kv_cache_groups_tp_replicas,
+)
 from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 from vllm.v1.core.sched.output import NewRequestData as VllmNewRequest
 from vllm.v1.engine.core import resolve_kv_cache_layout
@@ -464,11 +468,19 @@ class VllmEngine:
         num_blocks = num_gpu_blocks + NULL_BLOCKS
         page_bytes = sum(s.page_size_bytes for s in specs[0].values())
         cfg.cache_config.num_gpu_blocks_override = num_blocks
-        configs = get_kv_cache_configs(cfg, specs, [page_bytes * num_blocks])
-        for c in configs:
-            c.kv_cache_layout = cfg.cache_config.kv_cache_layout
-        if configs[0].num_blocks != num_blocks:
-            raise MemoryError(f"vLLM made {configs[0].num_blocks} KV blocks of the {num_blocks} asked")
+        # NOTE: get_kv_cache_configs would refuse a cache shorter than one max_model_len request:
+        # that is its scheduler's rule; ours sizes every request against the blocks it owns, so
+        # the groups are built and sized directly (one worker, no pipeline stages).
+        groups = get_kv_cache_groups(cfg, dict(specs[0]))
+        config = get_kv_cache_config_from_groups(cfg, groups, page_bytes * num_blocks)
+        par = cfg.parallel_config
+        config.kv_tp_replicas = kv_cache_groups_tp_replicas(
+            config.kv_cache_groups, par.tensor_parallel_size, par.decode_context_parallel_size
+        )
+        config.kv_cache_layout = cfg.cache_config.kv_cache_layout
+        configs = [config]
+        if config.num_blocks != num_blocks:
+            raise MemoryError(f"vLLM made {config.num_blocks} KV blocks of the {num_blocks} asked")
         cfg.cache_config.num_gpu_blocks = num_blocks
         executor.initialize_from_config(configs)
         executor.compile_or_warm_up_model()

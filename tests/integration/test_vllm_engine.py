@@ -3,7 +3,7 @@
 Checkpoints are written here (transformers, random weights widened so greedy decoding is not
 degenerate; no download): a GQA Llama and an OPT, with the demo vocabulary. The reference is
 vLLM's own `LLM.generate` over the same directory, prompts and sampling. Through the live
-stack (in-process scheduler and vLLM-engine workers over real gRPC): greedy parity with the
+stack (an in-process scheduler and `sluice worker --engine vllm` processes, over real gRPC): greedy parity with the
 `vllm` policy (fp32 and bf16), chunked prefill mixed with decodes (`sarathi`), preemption by
 recompute and by swap under a small KV cache, cancel leaving no KV, and a stopped worker's
 requests finishing on the other. Driving the engine with plans directly: a prefix-cache hit
@@ -13,6 +13,10 @@ and a swap out and in into other block ids change no token.
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -31,11 +35,13 @@ from sluice.common.grpc_server import CHANNEL_OPTIONS
 from sluice.contract.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan
 from sluice.contract.sampling import SamplingParams
 from sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from worker_service.engine_contract import Engine, EngineConfig
-from worker_service.server import build_server
+from worker_service.engine_contract import EngineConfig
 from worker_service.vllm_engine import VllmEngine
 
 torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parents[2]
+LISTENING = re.compile(r"listening on ([0-9.]+):(\d+)")
 
 BLOCK = 32
 VOCAB = 30522
@@ -45,6 +51,8 @@ PROMPTS = [
 ]
 MAX_TOKENS = [12, 20, 8, 30, 16, 24, 10, 18]
 JOBS = list(zip(PROMPTS, MAX_TOKENS, strict=True))
+# Each grows from 2 blocks to 4 while 4 share a worker's 8 blocks: the policy must preempt.
+TIGHT_JOBS = [([(31 * i + 7 * j) % 20000 + 300 for j in range(40)], 60) for i in range(8)]
 
 
 def write_checkpoint(path: Path, family: str) -> Path:
@@ -92,27 +100,42 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @dataclass
 class Worker:
-    engine: Engine
-    server: object
-    port: int
+    """A `sluice worker --engine vllm` process (vLLM keeps per-process state: one engine each)."""
 
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+    process: subprocess.Popen
+    address: str
 
     async def held_requests(self) -> int:
         async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
             reply = await worker_pb2_grpc.WorkerServiceStub(channel).Health(worker_pb2.HealthRequest())
         return reply.num_requests
 
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
-async def start_workers(engines: Sequence[Engine]) -> list[Worker]:
-    out = []
-    for i, eng in enumerate(engines):
-        server = build_server(eng, 0, worker_id=i)
-        await server.start(ready=False)
-        out.append(Worker(eng, server, server.port))
-    return out
+
+def _listening(process: subprocess.Popen) -> str:
+    assert process.stdout is not None
+    for line in process.stdout:
+        if match := LISTENING.search(line):
+            process.stdout.close()
+            return f"{match.group(1)}:{match.group(2)}"
+    raise RuntimeError(f"the worker exited (code {process.wait()}) before listening")
+
+
+async def start_workers(model: str, dtype: str, count: int = 2) -> list[Worker]:
+    procs = []
+    for i in range(count):
+        cmd = [sys.executable, "-m", "services.cli", "worker", "--engine", "vllm", "--model", model, "--dtype", dtype]
+        cmd += ["--block-size", str(BLOCK), "--no-vllm-compile", "--threads", "1", "--port", "0", "--worker-id", str(i)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        )
+    addresses = await asyncio.gather(*(asyncio.to_thread(_listening, p) for p in procs))
+    return [Worker(p, a) for p, a in zip(procs, addresses, strict=True)]
 
 
 @asynccontextmanager
@@ -129,18 +152,16 @@ async def stack(addresses: Sequence[str], **config: object) -> AsyncIterator[gen
 async def generate(stub: generation_pb2_grpc.GenerationServiceStub, i: int, prompt: list[int], n: int) -> list[int]:
     request = generation_pb2.GenerateRequest(
         request_id=f"r{i}",
-        token_ids=generation_pb2.TokenIds(ids=prompt),
+        token_ids=common_pb2.TokenIds(ids=prompt),
         sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
     )
     return [t async for m in stub.Generate(request) for t in m.token_ids]
 
 
-async def generate_all(stub: generation_pb2_grpc.GenerationServiceStub) -> list[list[int]]:
-    return list(
-        await asyncio.gather(
-            *(generate(stub, i, p, n) for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=False)))
-        )
-    )
+async def generate_all(
+    stub: generation_pb2_grpc.GenerationServiceStub, jobs: Sequence[tuple[list[int], int]] = JOBS
+) -> list[list[int]]:
+    return list(await asyncio.gather(*(generate(stub, i, p, n) for i, (p, n) in enumerate(jobs))))
 
 
 async def wait_idle(stub: generation_pb2_grpc.GenerationServiceStub, workers: Sequence[Worker]) -> None:
@@ -157,30 +178,32 @@ async def wait_idle(stub: generation_pb2_grpc.GenerationServiceStub, workers: Se
 # ---------------------------------------------------------------- through the stack
 
 
-@pytest.mark.parametrize(("family", "dtype"), [("llama", "float32"), ("opt", "float32"), ("llama", "bfloat16")])
+@pytest.mark.parametrize(
+    ("family", "dtype"), [("llama", "float32"), ("opt", "float32"), ("llama", "bfloat16"), ("opt", "bfloat16")]
+)
 async def test_stack_with_the_vllm_policy_gives_llm_generate_tokens(
     family: str, dtype: str, checkpoints: dict[str, Path]
 ) -> None:
     model = str(checkpoints[family])
     expected = vllm_reference(model, dtype, PROMPTS, MAX_TOKENS)
-    workers = await start_workers([vllm_engine(model, dtype), vllm_engine(model, dtype)])
+    workers = await start_workers(model, dtype)
     try:
         async with stack([w.address for w in workers], policy="vllm") as stub:
             got = await generate_all(stub)
             await wait_idle(stub, workers)
     finally:
         for w in workers:
-            await w.server.stop(None)
+            w.kill()
     assert got == expected
 
 
 @pytest.fixture(scope="module")
 async def llama_workers(checkpoints: dict[str, Path]) -> AsyncIterator[list[Worker]]:
     model = str(checkpoints["llama"])
-    workers = await start_workers([vllm_engine(model, "float32"), vllm_engine(model, "float32")])
+    workers = await start_workers(model, "float32")
     yield workers
     for w in workers:
-        await w.server.stop(None)
+        w.kill()
 
 
 @pytest.fixture(scope="module")
@@ -188,24 +211,32 @@ def llama_expected(checkpoints: dict[str, Path]) -> list[list[int]]:
     return vllm_reference(str(checkpoints["llama"]), "float32", PROMPTS, MAX_TOKENS)
 
 
-@pytest.mark.parametrize(
-    ("policy", "blocks"),
-    [
-        ("sarathi:budget=48", 64),  # prefill chunks of up to 48 tokens beside decodes
-        ("vllm:preemption_mode=recompute", 8),  # 8 blocks of 32 tokens: requests must be preempted
-        ("vllm:preemption_mode=swap", 8),
-    ],
-)
-async def test_chunked_prefill_and_preemption_change_no_token(
-    policy: str, blocks: int, llama_workers: list[Worker], llama_expected: list[list[int]]
+async def test_chunked_prefill_beside_decodes_changes_no_token(
+    llama_workers: list[Worker], llama_expected: list[list[int]]
 ) -> None:
-    async with stack([w.address for w in llama_workers], policy=policy, num_gpu_blocks=blocks) as stub:
-        got = await generate_all(stub)
-        stats = await stub.GetStats(generation_pb2.GetStatsRequest())
+    async with stack([w.address for w in llama_workers], policy="sarathi:budget=48") as stub:
+        got = await generate_all(stub)  # prompts of up to 150 tokens in chunks of <= 48 beside decodes
         await wait_idle(stub, llama_workers)
     assert got == llama_expected
-    if blocks < 64:
-        assert stats.num_preemptions > 0, "the small cache was meant to force preemptions"
+
+
+@pytest.fixture(scope="module")
+def tight_expected(checkpoints: dict[str, Path]) -> list[list[int]]:
+    prompts, max_tokens = zip(*TIGHT_JOBS, strict=True)
+    return vllm_reference(str(checkpoints["llama"]), "float32", prompts, max_tokens)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+async def test_preemption_by_recompute_and_by_swap_changes_no_token(
+    mode: str, llama_workers: list[Worker], tight_expected: list[list[int]]
+) -> None:
+    addresses = [w.address for w in llama_workers]
+    async with stack(addresses, policy=f"vllm:preemption_mode={mode}", num_gpu_blocks=8) as stub:
+        got = await generate_all(stub, TIGHT_JOBS)
+        stats = await stub.GetStats(generation_pb2.GetStatsRequest())
+        await wait_idle(stub, llama_workers)
+    assert stats.num_preemptions > 0, "8 blocks a worker were meant to force preemptions"
+    assert got == tight_expected
 
 
 async def test_cancelled_streams_leave_no_kv_and_others_finish(
@@ -214,8 +245,8 @@ async def test_cancelled_streams_leave_no_kv_and_others_finish(
     async with stack([w.address for w in llama_workers], policy="vllm") as stub:
         long = generation_pb2.GenerateRequest(
             request_id="cancel-me",
-            token_ids=generation_pb2.TokenIds(ids=PROMPTS[4]),
-            sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
+            token_ids=common_pb2.TokenIds(ids=PROMPTS[4]),
+            sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True),
         )
         call = stub.Generate(long)
         first = await call.read()
@@ -230,21 +261,18 @@ async def test_a_stopped_workers_requests_finish_on_the_other(
     checkpoints: dict[str, Path], llama_expected: list[list[int]]
 ) -> None:
     model = str(checkpoints["llama"])
-    workers = await start_workers([vllm_engine(model, "float32"), vllm_engine(model, "float32")])
+    workers = await start_workers(model, "float32")
     try:
         async with stack([w.address for w in workers], policy="vllm") as stub:
-            tasks = [
-                asyncio.ensure_future(generate(stub, i, p, n))
-                for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=False))
-            ]
-            while not workers[0].engine.num_requests:
+            tasks = [asyncio.ensure_future(generate(stub, i, p, n)) for i, (p, n) in enumerate(JOBS)]
+            while not await workers[0].held_requests():
                 await asyncio.sleep(0.01)
-            await workers[0].server.stop(None)  # the worker dies with requests in flight
+            workers[0].kill()  # SIGKILL with requests in flight
             got = await asyncio.gather(*tasks)
             await wait_idle(stub, workers[1:])
     finally:
         for w in workers:
-            await w.server.stop(None)
+            w.kill()
     assert got == llama_expected
 
 
