@@ -36,7 +36,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +218,7 @@ class VllmEngine:
     def info(self) -> EngineInfo:
         spec = self._spec()
         return EngineInfo.describe(
-            replace_block_size(self.config, self.block_size),
+            replace(self.config, block_size=self.block_size),
             self.model_config,
             family=self.model_config.family,
             dtype=str(self.dtype).removeprefix("torch."),
@@ -343,6 +343,13 @@ class VllmEngine:
     def _admission(self, new: NewRequestData) -> VllmSamplingParams:
         """vLLM's sampling parameters for a new request (StepPlanError naming the field if refused);
         the book has checked our own rules already."""
+        if len(new.prompt_token_ids) > self.max_model_len:
+            # NOTE: vLLM's runner holds at most max_model_len tokens a request (a longer prompt
+            # breaks its persistent batch), though a plan may only ever schedule a prefix of it.
+            raise StepPlanError(
+                f"prompt_token_ids: {len(new.prompt_token_ids)} tokens exceed max_model_len {self.max_model_len}",
+                new.request_id,
+            )
         return to_vllm_sampling(new.sampling, self.eos_token_ids, new.request_id)
 
     def _apply_moves(self, moves: Iterable[KVMove]) -> tuple[float, int]:
@@ -492,9 +499,3 @@ class VllmEngine:
         layers = list(self._kv_specs[0].values())
         first = layers[0]
         return KVCacheSpec(len(layers), first.num_kv_heads, first.head_size, self.block_size, first.dtype)
-
-
-def replace_block_size(config: EngineConfig, block_size: int) -> EngineConfig:
-    from dataclasses import replace
-
-    return replace(config, block_size=block_size)
