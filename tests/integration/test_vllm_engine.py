@@ -125,11 +125,12 @@ def _listening(process: subprocess.Popen) -> str:
     raise RuntimeError(f"the worker exited (code {process.wait()}) before listening")
 
 
-async def start_workers(model: str, dtype: str, count: int = 2) -> list[Worker]:
+async def start_workers(model: str, dtype: str, roles: Sequence[str] = ("mixed", "mixed")) -> list[Worker]:
     procs = []
-    for i in range(count):
+    for i, role in enumerate(roles):
         cmd = [sys.executable, "-m", "services.cli", "worker", "--engine", "vllm", "--model", model, "--dtype", dtype]
         cmd += ["--block-size", str(BLOCK), "--no-vllm-compile", "--threads", "1", "--port", "0", "--worker-id", str(i)]
+        cmd += ["--role", role]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
         procs.append(
             subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
@@ -257,23 +258,42 @@ async def test_cancelled_streams_leave_no_kv_and_others_finish(
     assert got == llama_expected[1]
 
 
-async def test_a_stopped_workers_requests_finish_on_the_other(
+async def test_a_killed_workers_requests_finish_on_the_other(
+    llama_workers: list[Worker], llama_expected: list[list[int]]
+) -> None:
+    """The last test of the shared workers: it kills one."""
+    async with stack([w.address for w in llama_workers], policy="vllm") as stub:
+        tasks = [asyncio.ensure_future(generate(stub, i, p, n)) for i, (p, n) in enumerate(JOBS)]
+        while not await llama_workers[0].held_requests():
+            await asyncio.sleep(0.01)
+        llama_workers[0].kill()  # SIGKILL with requests in flight
+        got = await asyncio.gather(*tasks)
+        await wait_idle(stub, llama_workers[1:])
+    assert got == llama_expected
+
+
+async def test_disaggregated_prefill_and_decode_move_kv_between_vllm_workers(
     checkpoints: dict[str, Path], llama_expected: list[list[int]]
 ) -> None:
-    model = str(checkpoints["llama"])
-    workers = await start_workers(model, "float32")
+    """OfferKv / PullKv / ReadKv read and write vLLM's KV tensors: the decode worker continues
+    from the prefill worker's KV, and every token is vLLM's own."""
+    workers = await start_workers(str(checkpoints["llama"]), "float32", roles=("prefill", "decode"))
+    cfg = LiveConfig(num_gpu_blocks=64, swap_space_gib=0.01, connect_timeout_s=120.0, policy="vllm")
     try:
-        async with stack([w.address for w in workers], policy="vllm") as stub:
-            tasks = [asyncio.ensure_future(generate(stub, i, p, n)) for i, (p, n) in enumerate(JOBS)]
-            while not await workers[0].held_requests():
-                await asyncio.sleep(0.01)
-            workers[0].kill()  # SIGKILL with requests in flight
-            got = await asyncio.gather(*tasks)
-            await wait_idle(stub, workers[1:])
+        server = await SchedulerServer.start(LiveScheduler([w.address for w in workers], cfg))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                got = await generate_all(stub)
+                await wait_idle(stub, workers)
+            transfers = server.live.cluster.transfers
+        finally:
+            await server.stop(grace_s=1.0, drain_s=0.0)
     finally:
         for w in workers:
             w.kill()
     assert got == llama_expected
+    assert transfers.succeeded == len(JOBS) and transfers.failed == transfers.recomputed == 0, transfers.summary()
 
 
 # ---------------------------------------------------------------- plans straight into the engine
