@@ -5,8 +5,9 @@ degenerate; no download): a GQA Llama and an OPT, with the demo vocabulary. The 
 vLLM's own `LLM.generate` over the same directory, prompts and sampling. Through the live
 stack (an in-process scheduler and `sluice worker --engine vllm` processes, over real gRPC): greedy parity with the
 `vllm` policy (fp32 and bf16), chunked prefill mixed with decodes (`sarathi`), preemption by
-recompute and by swap under a small KV cache, cancel leaving no KV, and a stopped worker's
-requests finishing on the other. Driving the engine with plans directly: a prefix-cache hit
+recompute and by swap under a small KV cache, cancel leaving no KV, a killed worker's
+requests finishing on the other, and disaggregated prefill and decode moving KV between two
+vLLM workers. Driving the engine with plans directly: a prefix-cache hit
 and a swap out and in into other block ids change no token.
 """
 
