@@ -119,13 +119,17 @@ def _runs(ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
 
 class PagedKVCache:
     def __init__(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device) -> None:
+        shape = (spec.num_layers, 2, num_gpu_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self._init_host(spec, num_gpu_blocks, num_cpu_blocks, device)
+
+    def _init_host(self, spec: KVCacheSpec, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device) -> None:
+        """Everything but the device tensors: the swap space and the swap stream."""
         self.spec = spec
         self.device = device
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.pad_block = num_gpu_blocks
-        shape = (spec.num_layers, 2, num_gpu_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.is_cuda = device.type == "cuda"
         self.cpu = torch.zeros((num_cpu_blocks, spec.bytes_per_block), dtype=torch.uint8, pin_memory=self.is_cuda)
         self.cpu_int8 = [False] * num_cpu_blocks

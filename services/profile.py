@@ -1,6 +1,6 @@
 """`sluice profile`: measure a worker's step times, write the profile, fit the cost model to it.
 
-    sluice profile --model tiny-llama [--device cuda] [--quick | --grid gpu] --out profile.json
+    sluice profile --model tiny-llama [--device cuda] [--engine torch|vllm] [--quick | --grid gpu] --out profile.json
         worker_service.profiler.run_profile (real StepPlans through the engine, timed)
         -> WorkerProfile JSON -> scheduler_service.costmodel.fitted: MAPE and coefficients
 
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 from sluice.common.config import add_config_arguments, config_from, opt, subset
 from sluice.contract.profile import WorkerProfile
-from worker_service.engine import EngineConfig
+from worker_service.engine_contract import EngineConfig
 
 
 def report_fit(profile: WorkerProfile) -> float | None:
@@ -44,6 +44,7 @@ def report_fit(profile: WorkerProfile) -> float | None:
 
 @dataclass
 class ProfileConfig(EngineConfig):
+    engine: str = opt("torch", "the engine to profile: torch (ours) or vllm (vLLM's model runner)")
     out: str = opt("profile.json", "WorkerProfile JSON to write")
     quick: bool = opt(False, "a small grid (about a minute on a CPU); same as --grid quick")
     grid: str | None = opt(None, "full (default), quick, or gpu (chunks 64-4096, decodes 1-256 x 512-8k)")
@@ -63,7 +64,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
-    from worker_service.engine import LLMEngine
+    from worker_service.engines import engine_factory
     from worker_service.profiler import FULL_GRID, GPU_GRID, QUICK_GRID, SAMPLING, run_profile
 
     cfg = config_from(ProfileConfig, parse_args(argv))
@@ -75,11 +76,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     config = subset(EngineConfig, cfg)
+    try:
+        factory = engine_factory(cfg.engine)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     grid = grids[cfg.grid or ("quick" if cfg.quick else "full")]
     declare = None if cfg.setup == "auto" else cfg.setup == "declare"
-    print(f"profiling {config.model} on {config.device} ({torch.get_num_threads()} torch threads): {asdict(grid)}")
+    threads = torch.get_num_threads()
+    print(f"profiling {config.model} ({cfg.engine} engine) on {config.device} ({threads} threads): {asdict(grid)}")
     start = time.perf_counter()
-    engine = LLMEngine(config)
+    engine = factory(config)
     util = cfg.gpu_memory_utilization
     profile, skipped = run_profile(
         engine, grid, util, progress=cfg.progress, sampling=cfg.sampling, declare_context=declare

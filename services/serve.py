@@ -110,6 +110,9 @@ class ServeConfig(SchedulerServiceConfig):
     prefill_workers: int = opt(0, "disaggregated: prefill-only workers to start (with --decode-workers; not --workers)")
     decode_workers: int = opt(0, "disaggregated: decode-only workers to start (with --prefill-workers)")
     model: str = opt("tiny-llama", "model preset or checkpoint folder of the workers")
+    engine: str = opt("torch", "the workers' engine: torch (ours), vllm (vLLM's model runner) or echo")
+    dtype: str = opt("auto", "the workers' dtype: auto, float32, float16 or bfloat16")
+    vllm_compile: bool = opt(True, "with --engine vllm: vLLM compiles its model (--no-vllm-compile: eager)")
     load_format: str = opt("auto", "auto, dummy or safetensors")
     device: str = opt("cpu", "cpu, cuda or cuda:N")
     # NOTE: a CPU worker left to measure would size its KV cache from most of the machine's free
@@ -215,10 +218,12 @@ def worker_command(cfg: ServeConfig, worker_id: int, port: int = 0) -> list[str]
     threads = threads_per_worker(cfg)
     cmd = [sys.executable, "-m", "services.cli", "worker", "--host", cfg.worker_host, "--port", str(port)]
     cmd += ["--worker-id", str(worker_id), "--model", cfg.model, "--load-format", cfg.load_format]
-    cmd += ["--role", roles[worker_id]]
+    cmd += ["--role", roles[worker_id], "--engine", cfg.engine, "--dtype", cfg.dtype]
     cmd += ["--device", cfg.device, "--swap-space-gib", str(cfg.swap_space_gib), "--threads", str(threads)]
     if cfg.num_gpu_blocks is not None:
         cmd += ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
+    if not cfg.vllm_compile:
+        cmd.append("--no-vllm-compile")
     for flag, path in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key), ("--tls-ca", cfg.tls_ca)):
         if path:
             cmd += [flag, path]

@@ -1,6 +1,6 @@
-"""`sluice worker`: one worker service (the torch engine, or the echo engine for load tests).
+"""`sluice worker`: one worker service over an engine of the registry (worker_service/engines.py).
 
-    sluice worker --model tiny-llama --port 50061 [--device cuda] [--engine echo]
+    sluice worker --model tiny-llama --port 50061 [--device cuda] [--engine torch|vllm|echo]
     sluice worker ... --role prefill|decode|mixed     (its part in a disaggregated deployment)
 
 Its flags (and SLUICE_<NAME> variables) are WorkerConfig's fields: the engine's (EngineConfig),
@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from functools import partial
 from typing import Any
 
 from sluice.common.config import add_config_arguments, config_from, opt, subset
 from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted
-from worker_service.engine import EngineConfig
+from worker_service.engine_contract import EngineConfig
 from worker_service.lease import DEFAULT_LEASE_TTL_S
 from worker_service.server import WarmupDefaults, WorkerServerOptions, role_value
 
@@ -35,7 +34,9 @@ class WorkerConfig(SecurityConfig, WarmupDefaults, EngineConfig):
     metrics_port: int | None = opt(None, "serve Prometheus /metrics on this port (on --host)")
     worker_id: int = opt(0, "this worker's id in the scheduler's logs and traces")
     threads: int = opt(0, "torch intra-op threads on CPU; 0: torch's default")
-    engine: str = opt("torch", "torch: run the model; echo (or none): check plans and answer synthetic tokens")
+    engine: str = opt(
+        "torch", "torch: our model code; vllm: vLLM's model runner; echo (or none): synthetic tokens, no model"
+    )
     echo_step_ms: float = opt(0.0, "with --engine echo: sleep this long per step")
     echo_async_device: bool = opt(
         False, "with --echo-step-ms: the step's time is awaited off the CPU, as a GPU's kernels run (not slept)"
@@ -57,13 +58,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
-    from worker_service.engine import LLMEngine
+    from worker_service.engines import engine_factory
     from worker_service.server import serve
 
     args = parse_args(argv)
     cfg = config_from(WorkerConfig, args, file=args.config)
-    if cfg.engine not in ("torch", "echo", "none"):
-        raise SystemExit(f"error: --engine must be torch, echo or none, got {cfg.engine!r}")
     if cfg.worker_pipeline not in ("auto", "on", "off"):
         raise SystemExit(f"error: --worker-pipeline must be auto, on or off, got {cfg.worker_pipeline!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -72,11 +71,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # barrier stalls that made the same steps up to 40x slower (docs/results/worker_engine.md).
         torch.set_num_threads(cfg.threads)
     logging.getLogger("sluice.worker").info("worker config: %s", redacted(asdict(cfg)))
-    factory: Callable[[EngineConfig], Any] = LLMEngine
+    options: dict[str, Any] = {}
     if cfg.engine in ("echo", "none"):
-        from worker_service.echo_engine import EchoEngine
-
-        factory = partial(EchoEngine, step_time_s=cfg.echo_step_ms / 1e3, async_device=cfg.echo_async_device)
+        options = {"step_time_s": cfg.echo_step_ms / 1e3, "async_device": cfg.echo_async_device}
+    try:
+        factory = engine_factory(cfg.engine, **options)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     engine_config, defaults = subset(EngineConfig, cfg), subset(WarmupDefaults, cfg)
     try:
         role_value(cfg.role)

@@ -5,9 +5,9 @@
 
 `sluice worker --engine echo` serves it behind the real gRPC worker (health, Warmup,
 Execute, Release), so the scheduler, the wire and the worker's own plan decoding are
-measured without a forward pass: what is left of a step is the system's overhead. It
-exposes the LLMEngine methods the server uses (`info`, `spec.supports_int8`,
-`num_requests`, `measure_kv_capacity`, `init_kv_cache`, `execute`, `release`).
+measured without a forward pass: what is left of a step is the system's overhead. It is
+an `Engine` (worker_service/engine_contract.py) with no KV cache (`cache` is None: KV
+transfers are refused).
 
 Plans are checked by the same `PlanBook` as the torch engine's (worker_service/plan_check.py),
 so a plan this worker accepts is one the real worker accepts. Sampled tokens are fixed
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.contract.plan import StepPlan, StepResult
-from worker_service.engine import EngineConfig, EngineInfo, KVCapacity
+from worker_service.engine_contract import EngineConfig, EngineInfo, KVCapacity
 from worker_service.hardware import HardwareInfo, describe_hardware
 from worker_service.model import resolve_config
 from worker_service.plan_check import BookEntry, PlanBook, StepPlanError
@@ -61,6 +61,8 @@ class EchoLaunched:
 class EchoEngine:
     """Bookkeeping of an LLMEngine without the model; see the module docstring."""
 
+    cache = None  # no KV: transfers are refused
+
     def __init__(self, config: EngineConfig, step_time_s: float = 0.0, async_device: bool = False) -> None:
         self.config = config
         self.model_config = resolve_config(config.model)
@@ -77,7 +79,7 @@ class EchoEngine:
             t % vocab for t in range(ECHO_FIRST_TOKEN, ECHO_FIRST_TOKEN + ECHO_CYCLE) if t % vocab not in eos
         ]
 
-    # -- the LLMEngine surface the worker server uses ------------------------------------
+    # -- the Engine contract -----------------------------------------------------------
     @property
     def info(self) -> EngineInfo:
         return EngineInfo.describe(
@@ -90,6 +92,7 @@ class EchoEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.model_config.eos_token_ids,
             bytes_per_block=self.spec.bytes_per_block,
+            supports_int8=self.spec.supports_int8,
         )
 
     @property

@@ -41,100 +41,22 @@ import torch
 from kvstore import paged_kernels
 from kvstore.kernel_attention import KernelPagedAttention, build_kernel_metadata, decode_columns, to_device
 from kvstore.paged import KVCacheSpec, PagedAttention, PagedKVCache, SeqChunk, build_metadata
-from sluice.common.config import opt
 from sluice.common.tokenizer import Tokenizer
-from sluice.contract.limits import DEFAULT_BLOCK_SIZE
 from sluice.contract.plan import KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
 from sluice.contract.sampling import SamplingParams
 from worker_service.cuda_graphs import DecodeGraphs
+from worker_service.engine_contract import EngineConfig, EngineInfo, KVCapacity
 from worker_service.hardware import HardwareInfo, describe_hardware
 from worker_service.model import Attention, DenseAttention, load_model, resolve_config, resolve_dtype
-from worker_service.model.config import ModelConfig
 from worker_service.model.dummy import is_preset
 from worker_service.plan_check import PlanBook, StepPlanError
+
+__all__ = ["EngineConfig", "EngineInfo", "KVCapacity", "LLMEngine", "StepPlanError"]
 from worker_service.sampler import Sampler, SamplingRow, needs_penalties
 from worker_service.step_clock import StepClock
 
 # Longest single sequence in the activation probe: keeps its attention matrix realistic.
 PROBE_SEQ_LEN = 512
-
-
-@dataclass
-class EngineConfig:
-    model: str = opt("tiny-llama", "dummy preset name, or a local directory with config.json (+ safetensors)")
-    load_format: str = opt("auto", "auto (safetensors if the directory has them), dummy or safetensors")
-    dtype: str = opt("auto", "auto (float32 on cpu, bfloat16 on cuda), float32, float16 or bfloat16")
-    device: str = opt("cpu", "cpu, cuda or cuda:N")
-    block_size: int = opt(DEFAULT_BLOCK_SIZE, "KV block size in tokens")
-    seed: int = opt(0, "dummy-weight seed (and the seed of unseeded sampling)")
-    max_model_len: int | None = opt(None, "context length; none: from config.json or the preset")
-    tokenizer: str | None = opt(None, "tokenizer.json; none: the model folder's, else the demo MiniLM one")
-    attention: str = opt("auto", "auto (triton on CUDA when Triton imports, torch elsewhere), torch or triton")
-    cuda_graphs: bool = opt(True, "replay decode steps as CUDA graphs (triton attention only)")
-    max_graph_batch: int = opt(256, "largest decode batch captured as a CUDA graph")
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    model: str
-    family: str
-    dtype: str
-    device: str
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    bytes_per_block: int  # one block across all layers, K and V, at the cache dtype
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
-    dtype_bytes: int
-
-    @classmethod
-    def describe(
-        cls,
-        config: EngineConfig,
-        model: ModelConfig,
-        *,
-        family: str,
-        dtype: str,
-        dtype_bytes: int,
-        device: str,
-        max_model_len: int,
-        eos_token_ids: Iterable[int],
-        bytes_per_block: int,
-    ) -> EngineInfo:
-        """The description of an engine serving `model` as `config` says (the torch and the echo
-        engine differ only in the keyword arguments)."""
-        return cls(
-            model=config.model,
-            family=family,
-            dtype=dtype,
-            device=device,
-            block_size=config.block_size,
-            max_model_len=max_model_len,
-            vocab_size=model.vocab_size,
-            eos_token_ids=tuple(eos_token_ids),
-            num_layers=model.num_layers,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            bytes_per_block=bytes_per_block,
-            hidden_size=model.hidden_size,
-            num_heads=model.num_heads,
-            intermediate_size=model.intermediate_size,
-            dtype_bytes=dtype_bytes,
-        )
-
-
-@dataclass(frozen=True)
-class KVCapacity:
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    bytes_per_block: int
-    peak_activation_bytes: int
 
 
 @dataclass
@@ -190,6 +112,10 @@ class Launched:
 
 
 class LLMEngine:
+    """Our torch engine (an `Engine`, worker_service/engine_contract.py)."""
+
+    async_device_s = 0.0  # a real device: the server waits on the launched step's handle
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
@@ -229,6 +155,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             bytes_per_block=self.spec.bytes_per_block,
+            supports_int8=self.spec.supports_int8,
         )
 
     @property

@@ -3,7 +3,7 @@
     scheduler --OfferKv(blocks, int8)--> prefill worker          (lease)  -> one-time token
     scheduler --PullKv(peer, token, dst blocks)--> decode worker  (lease)
         decode worker --ReadKv(token as x-sluice-kv-token)--> prefill worker
-        <-- ReadKvResponse stream: runs of blocks, in the swap format (`PagedKVCache.export_blocks`)
+        <-- ReadKvResponse stream: runs of blocks, in the swap format (`KVBlocks.export_blocks`)
         each chunk written into the decode worker's blocks as it arrives
     scheduler <-- PullKvResponse(blocks, bytes, seconds)
 
@@ -44,15 +44,14 @@ from sluice.common.security import PLAINTEXT, ClientSecurity
 from sluice.v1 import worker_pb2
 
 if TYPE_CHECKING:  # for the annotations only
-    from kvstore.paged import PagedKVCache
-    from worker_service.engine import LLMEngine
+    from worker_service.engine_contract import Engine, KVBlocks
 
 
 class RunsEngine(Protocol):
     """What the transfers need of the server's EngineRunner (named here, so this module does not
     import the server that imports it)."""
 
-    engine: LLMEngine
+    engine: Engine
 
     @property
     def ready(self) -> bool: ...
@@ -239,7 +238,7 @@ def _same_bytes(message: bytes) -> bytes:
 
 def chunk_spans(block_ids: Sequence[int], per_chunk: int) -> list[tuple[int, int]]:
     """(position, length) of each chunk: at most per_chunk blocks, and no chunk spans a gap in
-    the block ids, so each chunk is one run of the cache, copied once (PagedKVCache.export_blocks)."""
+    the block ids, so each chunk is one run of the cache, copied once (KVBlocks.export_blocks)."""
     spans: list[tuple[int, int]] = []
     start = 0
     for i in range(1, len(block_ids) + 1):
@@ -276,11 +275,11 @@ class KVTransferHandler:
         self._writers: dict[int, object] = {}  # block -> the latest pull writing it (its fence)
 
     @property
-    def _engine(self) -> LLMEngine:
+    def _engine(self) -> Engine:
         return self.runner.engine
 
-    def _cache(self) -> PagedKVCache:
-        cache = getattr(self._engine, "cache", None)  # NOTE: the echo engine keeps no KV
+    def _cache(self) -> KVBlocks:
+        cache = self._engine.cache  # NOTE: None: no KV (the echo engine) or no Warmup yet
         if not self.runner.ready or cache is None:
             raise TransferRefused("UNAVAILABLE", self.runner.not_ready_reason or "this worker's engine keeps no KV")
         return cache
@@ -306,7 +305,7 @@ class KVTransferHandler:
         log.debug("a peer reads the KV of %s: %d blocks (int8 %s)", offer.request_id, len(offer.block_ids), offer.int8)
         return self._chunks(cache, offer, blocks_per_chunk)
 
-    async def _chunks(self, cache: PagedKVCache, offer: Offer, per_chunk: int) -> AsyncIterator[bytes]:
+    async def _chunks(self, cache: KVBlocks, offer: Offer, per_chunk: int) -> AsyncIterator[bytes]:
         ids = offer.block_ids
         for first, n in chunk_spans(ids, per_chunk):
             data = await self.runner.call_inline(self._export, cache, ids[first : first + n], offer.int8)
@@ -361,18 +360,18 @@ class KVTransferHandler:
             raise TransferRefused("DATA_LOSS", f"the peer sent {written} blocks, block_ids has {len(dst)}")
         return worker_pb2.PullKvResponse(num_blocks=written, nbytes=nbytes, transfer_s=time.perf_counter() - start)
 
-    def _export(self, cache: PagedKVCache, ids: Sequence[int], int8: bool) -> bytes:
+    def _export(self, cache: KVBlocks, ids: Sequence[int], int8: bool) -> bytes:
         self._check_same_cache(cache)
         return cache.export_blocks(ids, int8)
 
-    def _check_same_cache(self, cache: PagedKVCache) -> None:
+    def _check_same_cache(self, cache: KVBlocks) -> None:
         # NOTE: a Warmup between two chunks (the lease holder starting over) builds a new
         # cache; reading on would send the new session's KV to the old session's peer, and
         # writing on would put the old session's KV into the new one's blocks.
         if self._engine.cache is not cache:
             raise TransferRefused("ABORTED", "the worker was warmed up again during the transfer")
 
-    def _write(self, cache: PagedKVCache, dst: list[int], rows: torch.Tensor, int8: bool, fence: object) -> None:
+    def _write(self, cache: KVBlocks, dst: list[int], rows: torch.Tensor, int8: bool, fence: object) -> None:
         # NOTE: checked again per chunk, under the engine's lock: a step between two chunks
         # may have admitted a request (a diverged scheduler); never overwrite its KV.
         self._check_same_cache(cache)

@@ -31,7 +31,8 @@ from tqdm import tqdm
 from sluice.contract.plan import CachedRequestData, KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
 from sluice.contract.profile import BatchShape, ModelSpec, StepSample, SwapSample, WorkerProfile
 from sluice.contract.sampling import SamplingParams
-from worker_service.engine import LLMEngine, StepPlanError
+from worker_service.engine_contract import Engine
+from worker_service.plan_check import StepPlanError
 
 # NOTE: sampling is part of a step's cost (a softmax and a draw over the vocabulary cost as
 # much as a tiny model's forward): profile with what the served requests use. "random" is
@@ -110,7 +111,7 @@ class PlanDriver:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: Engine,
         num_gpu_blocks: int,
         num_cpu_blocks: int,
         sampling: str = "random",
@@ -312,29 +313,30 @@ def grid_points(grid: ProfileGrid) -> Iterator[GridPoint]:
             yield label, lambda d, g, n=num_blocks, q=int8: profile_swap(d, g, n, q)
 
 
-def model_spec(engine: LLMEngine) -> ModelSpec:
-    c = engine.model_config
+def model_spec(engine: Engine) -> ModelSpec:
+    info = engine.info
     return ModelSpec(
-        name=engine.config.model,
-        num_layers=c.num_layers,
-        hidden_size=c.hidden_size,
-        num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads,
-        intermediate_size=c.intermediate_size,
-        vocab_size=c.vocab_size,
-        max_model_len=engine.max_model_len,
-        gated_mlp=c.family == "llama",
-        dtype_bytes=engine.dtype.itemsize,
+        name=info.model,
+        num_layers=info.num_layers,
+        hidden_size=info.hidden_size,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        intermediate_size=info.intermediate_size,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        gated_mlp=info.family.startswith("llama"),
+        dtype_bytes=info.dtype_bytes,
     )
 
 
-def device_name(engine: LLMEngine) -> str:
-    if engine.device.type == "cuda":
-        return f"{engine.device} ({torch.cuda.get_device_name(engine.device)})"
-    return str(engine.device)
+def device_name(engine: Engine) -> str:
+    device = engine.info.device
+    if device.startswith("cuda"):
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return device
 
 
-def kv_capacity(engine: LLMEngine, grid: ProfileGrid, gpu_memory_utilization: float) -> tuple[int, int]:
+def kv_capacity(engine: Engine, grid: ProfileGrid, gpu_memory_utilization: float) -> tuple[int, int]:
     """As many blocks as the largest grid point needs, or as many as fit."""
     block_size = engine.info.block_size
     wanted_gpu, wanted_cpu = grid.max_blocks(block_size), max(grid.swap_blocks)
@@ -344,7 +346,7 @@ def kv_capacity(engine: LLMEngine, grid: ProfileGrid, gpu_memory_utilization: fl
 
 
 def run_profile(
-    engine: LLMEngine,
+    engine: Engine,
     grid: ProfileGrid,
     gpu_memory_utilization: float = 0.9,
     progress: bool = True,
@@ -354,7 +356,7 @@ def run_profile(
     """Measures every grid point; returns the profile and the labels of skipped points.
 
     `declare_context`: skip setup prefills (None: on CUDA only)."""
-    declare = engine.device.type == "cuda" if declare_context is None else declare_context
+    declare = engine.info.device.startswith("cuda") if declare_context is None else declare_context
     blocks = kv_capacity(engine, grid, gpu_memory_utilization)
     driver = PlanDriver(engine, *blocks, sampling=sampling, declare_context=declare)
     profile = WorkerProfile(

@@ -1,4 +1,4 @@
-"""The worker's gRPC face: `sluice.v1.WorkerService` over one `LLMEngine`.
+"""The worker's gRPC face: `sluice.v1.WorkerService` over one `Engine` (worker_service/engine_contract.py).
 
     scheduler --ExecuteRequest--> plan_from_proto --> StepPlan --EngineRunner.step--> engine.execute
     scheduler <-ExecuteResponse-- result_to_proto <-- StepResult <---------------------'
@@ -62,10 +62,12 @@ from sluice.contract.plan import CachedRequestData, NewRequestData, StepPlan, St
 from sluice.contract.plan_codec import PlanReceiver, error_result, result_to_proto
 from sluice.contract.sampling import InvalidRequestError, SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
-from worker_service.engine import EngineConfig, LLMEngine, StepPlanError
+from worker_service.engine_contract import Engine, EngineConfig
+from worker_service.engines import engine_class
 from worker_service.finished_filter import FinishedFilter
 from worker_service.kv_transfer import KVTransferHandler, TransferRefused, add_read_kv_handler, token_of
 from worker_service.lease import DEFAULT_LEASE_TTL_S, Lease, LeaseError, session_of
+from worker_service.plan_check import StepPlanError
 from worker_service.step_pipeline import EnginePipeline, void_step
 from worker_service.step_reader import Incoming, StepReader
 
@@ -199,7 +201,7 @@ class EngineRunner:
     and for Warmup's measurement, the engine thread runs it.
     """
 
-    def __init__(self, engine: LLMEngine, pipeline: str = "auto", step_spans: bool | None = None) -> None:
+    def __init__(self, engine: Engine, pipeline: str = "auto", step_spans: bool | None = None) -> None:
         """`step_spans`: whether steps are traced, a span per call into the engine (which keeps the
         pipeline off); None: whenever tracing is set up in this process. The tracer provider is
         process-wide and cannot be taken down, so a worker embedded beside traced code (a test
@@ -266,7 +268,7 @@ class EngineRunner:
                 self.thread_steps += 1
                 result = await self._on_thread(self.engine.execute, plan)
             self._seconds_per_token = (time.perf_counter() - start) / num_tokens
-            device_s = getattr(self.engine, "async_device_s", 0.0)
+            device_s = self.engine.async_device_s
             if device_s:
                 # An engine whose device runs apart from the CPU (the echo engine emulating one):
                 # the step ends when the device does, and the loop is free meanwhile.
@@ -294,9 +296,9 @@ class EngineRunner:
     def pipelines(self) -> bool:
         """Whether Execute streams run through the engine pipeline. NOTE: not while tracing: a
         step's span wraps one call into the engine, and a pipelined step is two."""
-        if self.pipeline == "off" or not hasattr(self.engine, "launch") or self.traces_steps:
+        if self.pipeline == "off" or self.traces_steps:
             return False
-        async_device = self.accelerated or bool(getattr(self.engine, "async_device_s", 0.0))
+        async_device = self.accelerated or bool(self.engine.async_device_s)
         return self.pipeline == "on" or async_device
 
     async def launch(self, plan: StepPlan) -> Any:
@@ -325,7 +327,7 @@ class EngineRunner:
         self._seconds_per_token = None
 
 
-def _warm_plan(engine: LLMEngine) -> StepPlan:
+def _warm_plan(engine: Engine) -> StepPlan:
     """A one-request, one-block step that runs every stage once (first-call costs paid here)."""
     n = min(engine.info.block_size, 8)
     request = NewRequestData(
@@ -345,7 +347,7 @@ def _warm_plan(engine: LLMEngine) -> StepPlan:
     )
 
 
-def build_kv_cache(engine: LLMEngine, params: WarmupParams) -> tuple[int, int, int]:
+def build_kv_cache(engine: Engine, params: WarmupParams) -> tuple[int, int, int]:
     """Runs in the engine thread: sizes and allocates the KV cache, then runs one warm step.
 
     Returns (num_gpu_blocks, num_cpu_blocks, peak_activation_bytes).
@@ -407,7 +409,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             capabilities=worker_pb2.WorkerCapabilities(
                 chunked_prefill=True,
                 swap=True,
-                int8_swap=self.runner.engine.spec.supports_int8,
+                int8_swap=info.supports_int8,
                 async_swap=info.device.startswith("cuda"),  # D2H copies on their own stream
                 # NOTE: the role of the live session only: a scheduler reading Info before its own
                 # Warmup must not take a role an earlier session asked for as this worker's; it
@@ -611,11 +613,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if plan is None:  # InvalidRequestError names the field; others come from the dataclasses
             finished.observe_result(0, {})
             return result_to_proto(error_result(msg.step_id, "INVALID_ARGUMENT", incoming.error))
-        book = getattr(self.runner.engine, "book", None)
-        if book is not None:
-            # NOTE: overlap: requests the previous step finished are left out (their answer then
-            # names its tokens by id, since it no longer samples exactly the plan's requests).
-            plan = finished.filter(plan, book.entries)
+        # NOTE: overlap: requests the previous step finished are left out (their answer then
+        # names its tokens by id, since it no longer samples exactly the plan's requests).
+        plan = finished.filter(plan, self.runner.engine.book.entries)
         finished.observe_plan(plan)
         result = await self._execute_traced(plan)
         finished.observe_result(plan.step_id if result.error is None else 0, result.sampled_token_ids)
@@ -685,7 +685,7 @@ def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> N
 
 
 def build_server(
-    engine: LLMEngine,
+    engine: Engine,
     port: int,
     *,
     host: str = "127.0.0.1",
@@ -727,14 +727,14 @@ async def serve(
     worker_id: int = 0,
     defaults: WarmupDefaults | None = None,
     grace_s: float = 5.0,
-    engine_factory: Callable[[EngineConfig], Any] = LLMEngine,
+    engine_factory: Callable[[EngineConfig], Engine] | None = None,
     options: WorkerServerOptions | None = None,
     metrics_port: int | None = None,
 ) -> None:
     """Loads the model (or the engine `engine_factory` builds), serves until SIGINT or SIGTERM,
     then shuts down gracefully. Readiness stays NOT_SERVING until a scheduler's Warmup."""
     setup_tracing("sluice-worker")
-    engine = await asyncio.to_thread(engine_factory, config)
+    engine = await asyncio.to_thread(engine_factory or engine_class("torch"), config)
     info = engine.info
     metrics = None
     if metrics_port is not None:

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from sluice.contract.plan import StepPlan, StepResult
 from sluice.contract.plan_codec import error_result, result_to_proto
 from sluice.v1 import worker_pb2
+from worker_service.engine_contract import Engine
 from worker_service.finished_filter import FinishedFilter
 from worker_service.plan_check import StepPlanError
 from worker_service.step_reader import Incoming, StepReader
@@ -50,7 +51,7 @@ DEPTH = 2  # steps launched and not collected at most: the one the device runs a
 class PipelineRunner(Protocol):
     """What the pipeline needs of the EngineRunner (worker_service/server.py)."""
 
-    engine: Any
+    engine: Engine
     failure: str
     launched_ahead: int
 

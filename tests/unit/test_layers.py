@@ -35,8 +35,14 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     ),
     "sluice_vllm": ("services", "worker_service", "predictor_service", "gateway_service", "kvstore"),
 }
-# vLLM is imported only by the modules that adapt to it: the plug-in's and the tests'.
-VLLM_ADAPTERS = ("sluice_vllm/vllm_compat.py", "sluice_vllm/scheduler.py", "sluice_vllm/launcher.py")
+# vLLM is imported only by the modules that adapt to it (the plug-in's and the vLLM engine's) and
+# the tests: the project runs without it.
+VLLM_ADAPTERS = (
+    "sluice_vllm/vllm_compat.py",
+    "sluice_vllm/scheduler.py",
+    "sluice_vllm/launcher.py",
+    "worker_service/vllm_engine.py",
+)
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -69,12 +75,14 @@ def test_package_imports_nothing_above_or_beside_it(package: str) -> None:
 
 
 def test_vllm_is_imported_only_by_its_adapters() -> None:
-    """Nowhere in the project but the plug-in's adapter modules (the scheduler core, the
-    policies and the plug-in's own policy code stay free of it, so they run without vLLM)."""
+    """Nowhere in the project but the adapter modules of the plug-in and of the vLLM engine (the
+    scheduler core, the policies and the plug-in's own policy code stay free of it, so they run
+    without vLLM)."""
     found = []
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in (".venv", "tests") or rel.as_posix() in VLLM_ADAPTERS:
+        # tests and benchmarks run vLLM itself as the reference they compare against
+        if rel.parts[0] in (".venv", "tests", "benchmarks") or rel.as_posix() in VLLM_ADAPTERS:
             continue
         for line, module in imported_modules(path):
             if module.split(".")[0] == "vllm":
@@ -104,3 +112,9 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from scheduler_service.core import plan\n    import torch.nn\n")
     assert [m for _, m in imported_modules(module)] == ["scheduler_service.core", "torch.nn"]
+
+
+def test_the_engine_contract_and_registry_stay_free_of_torch_and_vllm() -> None:
+    for name in ("engine_contract.py", "engines.py"):
+        modules = [m.split(".")[0] for _, m in imported_modules(ROOT / "worker_service" / name)]
+        assert "torch" not in modules and "vllm" not in modules, name

@@ -1,0 +1,273 @@
+"""vLLM alone against Sluice's scheduler driving vLLM's model runner, and against our torch engine.
+
+    (a) vllm     vLLM's own engine in this process: LLM.generate (offline); its LLMEngine stepped
+                 with requests added at their Poisson arrival times (online)
+    (b) sluice+vllm   `sluice serve --engine vllm --policy vllm --workers 1` (a scheduler process, a
+                 worker process hosting vLLM's worker and model runner), over gRPC
+    (c) sluice+torch  `sluice serve --engine torch --policy vllm --workers 1`
+
+Same requests (seeded prompt and output lengths, random token ids, EOS ignored, greedy), one
+torch thread in every engine, the same KV blocks (vLLM's plus its null block) and block size.
+The three run in turns, round after round, so drift on a shared machine falls on all alike;
+each metric is reported per round and as the ratio to (a) within the round.
+
+    python -m benchmarks.vllm_engine --model tiny-llama --rounds 3 --json out.json
+
+Offline: all requests at once; output tokens/s from the first request sent to the last token.
+Online: Poisson arrivals at --rate; TBT is every gap between two tokens of a request, E2E the
+arrival to the last token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+LISTENING = re.compile(r"sluice scheduler listening on ([\d.]+):(\d+)")
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    arrival_s: float = 0.0
+
+
+@dataclass
+class Trace:
+    """When each token of one request arrived (perf_counter), and when the request was sent."""
+
+    sent: float
+    tokens: list[float] = field(default_factory=list)
+
+
+def make_jobs(n: int, vocab: int, rate: float | None, seed: int) -> list[Job]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        if rate:
+            t += rng.expovariate(rate)
+        prompt = [rng.randrange(100, vocab - 100) for _ in range(rng.randint(16, 256))]
+        out.append(Job(prompt, rng.randint(16, 128), t))
+    return out
+
+
+def summarize(traces: Sequence[Trace], start: float) -> dict[str, float]:
+    end = max(t.tokens[-1] for t in traces)
+    gaps = [b - a for t in traces for a, b in zip(t.tokens, t.tokens[1:], strict=False)]
+    return {
+        "output_tok_s": sum(len(t.tokens) for t in traces) / (end - start),
+        "tbt_p50_ms": 1e3 * statistics.median(gaps),
+        "tbt_p90_ms": 1e3 * statistics.quantiles(gaps, n=10)[-1],
+        "ttft_p50_ms": 1e3 * statistics.median(t.tokens[0] - t.sent for t in traces),
+        "e2e_mean_s": statistics.fmean(t.tokens[-1] - t.sent for t in traces),
+    }
+
+
+# ---------------------------------------------------------------- (a) vLLM alone
+
+
+class VllmAlone:
+    def __init__(self, model_dir: str, dtype: str, num_blocks: int, compile_model: bool) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # NOTE: one process, as our worker
+        import torch
+        from vllm import LLM
+
+        torch.set_num_threads(1)
+        self.llm = LLM(
+            model=model_dir, load_format="dummy", dtype=dtype, skip_tokenizer_init=True, block_size=BLOCK,
+            gpu_memory_utilization=0.2, num_gpu_blocks_override=num_blocks + 1, enforce_eager=not compile_model,
+            seed=0, enable_prefix_caching=False,
+        )  # fmt: skip
+
+    def params(self, job: Job) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(temperature=0.0, max_tokens=job.max_tokens, ignore_eos=True, detokenize=False)
+
+    def offline(self, jobs: Sequence[Job]) -> dict[str, float]:
+        start = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": j.prompt} for j in jobs], [self.params(j) for j in jobs],
+                                 use_tqdm=False)  # fmt: skip
+        end = time.perf_counter()
+        return {"output_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / (end - start)}
+
+    def online(self, jobs: Sequence[Job]) -> dict[str, float]:
+        engine = self.llm.llm_engine
+        traces: dict[str, Trace] = {}
+        start = time.perf_counter()
+        pending = list(enumerate(jobs))
+        while pending or engine.has_unfinished_requests():
+            now = time.perf_counter() - start
+            while pending and pending[0][1].arrival_s <= now:
+                i, job = pending.pop(0)
+                traces[str(i)] = Trace(time.perf_counter())
+                engine.add_request(str(i), {"prompt_token_ids": job.prompt}, self.params(job))
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, pending[0][1].arrival_s - (time.perf_counter() - start)))
+                continue
+            for out in engine.step():
+                trace = traces[out.request_id]
+                stamp = time.perf_counter()
+                trace.tokens += [stamp] * (len(out.outputs[0].token_ids) - len(trace.tokens))
+        return summarize(list(traces.values()), start)
+
+
+# ---------------------------------------------------------------- (b), (c) through sluice serve
+
+
+class SluiceServe:
+    def __init__(self, engine: str, model: str, dtype: str, num_blocks: int, compile_model: bool) -> None:
+        cmd = [sys.executable, "-m", "services.cli", "serve", "--port", "0", "--workers", "1", "--engine", engine]
+        cmd += ["--model", model, "--dtype", dtype, "--num-gpu-blocks", str(num_blocks), "--worker-threads", "1"]
+        cmd += ["--policy", "vllm", "--no-start-predictor", "--connect-timeout-s", "300"]
+        cmd += [] if compile_model else ["--no-vllm-compile"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+        self.engine = engine
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True
+        )
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if match := LISTENING.search(line):
+                self.address = f"{match.group(1)}:{match.group(2)}"
+                break
+        else:
+            raise RuntimeError(f"sluice serve --engine {engine} exited ({self.proc.wait()}) before listening")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def run(self, jobs: Sequence[Job], online: bool) -> dict[str, float]:
+        return asyncio.run(self._run(jobs, online))
+
+    async def _run(self, jobs: Sequence[Job], online: bool) -> dict[str, float]:
+        import grpc
+
+        from sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            start = time.perf_counter()
+
+            async def one(i: int, job: Job) -> Trace:
+                if online:
+                    await asyncio.sleep(max(0.0, start + job.arrival_s - time.perf_counter()))
+                trace = Trace(time.perf_counter())
+                request = generation_pb2.GenerateRequest(
+                    request_id=f"{self.engine}-{start}-{i}",
+                    token_ids=common_pb2.TokenIds(ids=job.prompt),
+                    sampling_params=common_pb2.SamplingParams(
+                        temperature=0.0, max_tokens=job.max_tokens, ignore_eos=True
+                    ),
+                )
+                async for message in stub.Generate(request):
+                    stamp = time.perf_counter()
+                    trace.tokens += [stamp] * len(message.token_ids)
+                return trace
+
+            traces = await asyncio.gather(*(one(i, j) for i, j in enumerate(jobs)))
+        stats = summarize(traces, start)
+        return stats if online else {"output_tok_s": stats["output_tok_s"]}
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-llama", help="a preset of ours (dummy weights) or a local HF directory")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second (online)")
+    p.add_argument("--num-blocks", type=int, default=512, help="KV blocks of 32 tokens for every engine")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--online-rounds", type=int, default=1)
+    p.add_argument("--engines", default="vllm,sluice+vllm,sluice+torch")
+    p.add_argument("--no-compile", action="store_true", help="vLLM eager in (a) and (b) (its default compiles)")
+    p.add_argument("--json", help="write the per-round results here")
+    args = p.parse_args(argv)
+
+    from worker_service.model import resolve_config
+    from worker_service.vllm_engine import model_directory
+
+    vocab = resolve_config(args.model).vocab_size
+    offline_jobs = make_jobs(args.num_requests, vocab, None, seed=0)
+    online_jobs = make_jobs(args.num_requests, vocab, args.rate, seed=1)
+    names = args.engines.split(",")
+    compile_model = not args.no_compile
+    print(f"starting {names} for {args.model} {args.dtype}", flush=True)
+    runners: dict[str, object] = {}
+    try:
+        for name in names:
+            if name == "vllm":
+                runners[name] = VllmAlone(model_directory(args.model), args.dtype, args.num_blocks, compile_model)
+            else:
+                engine = name.split("+")[1]
+                runners[name] = SluiceServe(engine, args.model, args.dtype, args.num_blocks, compile_model)
+        warm = make_jobs(4, vocab, None, seed=9)
+        for name, runner in runners.items():  # first steps (compilation, allocator) are not measured
+            runner.offline(warm) if name == "vllm" else runner.run(warm, online=False)  # type: ignore[attr-defined]
+        results: list[dict[str, object]] = []
+        for r in range(max(args.rounds, args.online_rounds)):
+            for mode, jobs, wanted in (
+                ("offline", offline_jobs, args.rounds),
+                ("online", online_jobs, args.online_rounds),
+            ):
+                if r >= wanted:
+                    continue
+                row: dict[str, object] = {"round": r, "mode": mode}
+                for name in names if r % 2 == 0 else list(reversed(names)):
+                    runner = runners[name]
+                    if name == "vllm":
+                        stats = runner.offline(jobs) if mode == "offline" else runner.online(jobs)  # type: ignore[attr-defined]
+                    else:
+                        stats = runner.run(jobs, online=mode == "online")  # type: ignore[attr-defined]
+                    row[name] = stats
+                    print(
+                        f"round {r} {mode} {name}: {json.dumps({k: round(v, 3) for k, v in stats.items()})}", flush=True
+                    )
+                results.append(row)
+    finally:
+        for runner in runners.values():
+            if isinstance(runner, SluiceServe):
+                runner.stop()
+    report(results, names)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rounds": results}, indent=2))
+    return 0
+
+
+def report(results: list[dict[str, object]], names: Sequence[str]) -> None:
+    if "vllm" not in names:
+        return
+    for mode, key, better in (("offline", "output_tok_s", "higher"), ("online", "tbt_p50_ms", "lower")):
+        rows = [r for r in results if r["mode"] == mode]
+        for name in names:
+            if name == "vllm" or not rows:
+                continue
+            ratios = [r[name][key] / r["vllm"][key] for r in rows]  # type: ignore[index]
+            print(f"{mode} {key} {name}/vllm: median {statistics.median(ratios):.3f} "
+                  f"(rounds {', '.join(f'{x:.3f}' for x in ratios)}; {better} is better)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
