@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -234,7 +235,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if not ended:
                 self.live.abort(rid, "client cancelled or deadline exceeded")
 
+    async def _require_started(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.live.started:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler is starting: {self.live.waiting_for}")
+
     async def _admit(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestStream:
+        await self._require_started(context)
         header = dict(context.invocation_metadata() or ()).get(REQUEST_ID_KEY, "")
         try:
             if header and request.request_id and header != request.request_id:
@@ -271,6 +277,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def GetServerInfo(
         self, request: generation_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GetServerInfoResponse:
+        await self._require_started(context)
         live = self.live
         workers = [
             generation_pb2.WorkerDescription(
@@ -301,6 +308,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def GetStats(
         self, request: generation_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GetStatsResponse:
+        await self._require_started(context)
         live = self.live
         metrics = live.metrics
         workers = []
@@ -384,9 +392,19 @@ class SchedulerServer:
         health_port: int | None = None,
         keepalive: Keepalive = KEEPALIVE,
     ) -> SchedulerServer:
-        await live.start()
+        # NOTE: the port answers (health, and UNAVAILABLE naming what it waits for) before the
+        # workers are had: a restarted scheduler may wait for a lease, and says so. The name
+        # the workers' leases record is the host and this port, which no other live scheduler
+        # can bind meanwhile (grpc_server: SO_REUSEPORT off).
         server = build_server(live, port, host=host, security=security, health_port=health_port, keepalive=keepalive)
-        await server.start(ready=live.is_healthy)
+        await server.start(ready=False)
+        live.name = live.name or f"{socket.gethostname()}:{server.port}"
+        try:
+            await live.start()
+        except BaseException:
+            await server.stop(0.0, 0.0)
+            raise
+        await server.set_ready(live.is_healthy)
         return cls(live, server)
 
     async def stop(self, grace_s: float = 5.0, drain_s: float = 0.5) -> None:

@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any
 
 from sluice.common.config import add_config_arguments, config_from, opt, subset
-from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted
+from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted, setup_logging
 from worker_service.engine import EngineConfig
 from worker_service.lease import DEFAULT_LEASE_TTL_S
 from worker_service.server import WarmupDefaults, WorkerServerOptions, role_value
@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"error: --engine must be torch, echo or none, got {cfg.engine!r}")
     if cfg.worker_pipeline not in ("auto", "on", "off"):
         raise SystemExit(f"error: --worker-pipeline must be auto, on or off, got {cfg.worker_pipeline!r}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.INFO)
     if cfg.threads:
         # NOTE: on a CPU shared with other processes, fewer OpenMP threads than cores avoids
         # barrier stalls that made the same steps up to 40x slower (docs/RESULTS.md, worker section).

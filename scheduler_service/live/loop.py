@@ -80,6 +80,7 @@ class WorkerLoop:
         self.capacity = capacity
         self.worker_id = remote.worker_id
         self.wake = asyncio.Event()
+        self.redial = asyncio.Event()  # set: a reconnect dials now (the worker was restarted)
         self.connected = True
         self.num_steps = 0
         self.num_resyncs = 0  # sessions re-established without the worker counting as down
@@ -275,11 +276,16 @@ class WorkerLoop:
         return False
 
     async def _reconnect(self) -> None:
-        await asyncio.sleep(self._backoff_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.redial.wait(), self._backoff_s)  # readdress cuts the backoff short
+        self.redial.clear()
         cfg = self.live.config
         try:
             back = await self.remote.connect(self._warmup_options(), min(cfg.connect_timeout_s, 5.0), wait=False)
         except WorkerLost as exc:
+            if exc.code == "FAILED_PRECONDITION" and str(exc) != self.last_error:
+                # NOTE: logged once per new answer: someone else holds the worker's lease
+                log.error("worker %d at %s: cannot take it back: %s", self.worker_id, self.remote.address, exc)
             self.last_error = str(exc)
             self._backoff_s = min(2 * self._backoff_s, cfg.reconnect_max_s)
             return

@@ -155,6 +155,9 @@ class LiveScheduler:
         self.clock = clock
         self.security = security
         self.keepalive = keepalive
+        self.name = ""  # host:port we serve on; the workers' leases record it (SchedulerServer sets it)
+        self.started = False
+        self.waiting_for = "connecting to its workers"  # what start() waits for (UNAVAILABLE says it)
         self.streams: dict[str, RequestStream] = {}
         self.loops: dict[int, WorkerLoop] = {}
         self.on_health: Callable[[bool], None] | None = None
@@ -181,6 +184,7 @@ class LiveScheduler:
         for remote, cap in zip(remotes, caps, strict=True):
             self.loops[remote.worker_id] = WorkerLoop(self, remote, cap)
         self.started_at = self.clock()
+        self.started = True
         self._tasks = [asyncio.create_task(loop.run(), name=f"sluice-worker-{w}") for w, loop in self.loops.items()]
         if self.discovery is not None:
             self._tasks.append(asyncio.create_task(self.discovery.run(self), name="sluice-discovery"))
@@ -223,8 +227,17 @@ class LiveScheduler:
             # the name that was resolved (as gRPC's own DNS resolver does), not the IP.
             options = (*options, ("grpc.ssl_target_name_override", name))
         return RemoteWorker(
-            worker_id, address, self.config.step_timeout_s, security=self.security, channel_options=options
+            worker_id,
+            address,
+            self.config.step_timeout_s,
+            security=self.security,
+            channel_options=options,
+            holder=self.name,
+            on_wait=self._note_wait,
         )
+
+    def _note_wait(self, what: str) -> None:
+        self.waiting_for = what
 
     def _warmup_options(self) -> WarmupOptions:
         cfg = self.config
@@ -464,11 +477,25 @@ class LiveScheduler:
         self._publish_health()
 
     def readdress(self, worker_id: int, address: str) -> None:
-        """The worker now listens at `address` (restarted by a supervisor on a new port); the
-        loop's next reconnect dials it there."""
-        log.warning("worker %d moves from %s to %s", worker_id, self.addresses[worker_id], address)
+        """The worker (re)started at `address` (a supervisor restarted it, maybe on a new port):
+        the loop dials it there now, not after its backoff."""
+        if address != self.addresses[worker_id]:
+            log.warning("worker %d moves from %s to %s", worker_id, self.addresses[worker_id], address)
         self.addresses[worker_id] = address
         self.loops[worker_id].remote.address = address
+        self.loops[worker_id].redial.set()
+
+    def readdress_predictor(self, address: str) -> None:
+        """The length predictor now listens at `address` (restarted by a supervisor on a new
+        port): later requests ask it there; questions in flight to the old one fall back."""
+        if self.predictor is None:
+            return
+        log.warning("the length predictor moves from %s to %s", self.config.predictor, address)
+        self.config.predictor = address
+        old = self.predictor.client
+        self.predictor.client = self._predictor_link().client
+        task = asyncio.get_running_loop().create_task(old.close())
+        self._tasks.append(task)
 
     def worker_reset(self, worker_id: int) -> None:
         """The worker was warmed up again on a new session (its state wiped): the requests it

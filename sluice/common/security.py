@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
+import logging
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,10 +61,47 @@ class SecurityConfig:
 
 SECRET_FIELDS = frozenset({"api_key", "worker_api_key"})
 
+# scheme://user:password@host -> the password replaced (redis://:PASSWORD@host included)
+_URL_CREDENTIALS = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*:)(?P<secret>[^@\s/]+)(?=@)")
+REDACTED = "***"
+
+
+def redact_url(text: str) -> str:
+    """`text` with the password of every URL in it replaced by ***: the one helper every log
+    line, settings dump and error message that may hold a URL goes through."""
+    return _URL_CREDENTIALS.sub(lambda m: m.group("head") + REDACTED, text)
+
 
 def redacted(settings: dict[str, Any]) -> dict[str, Any]:
-    """A settings dict fit for a log line: secrets shown only as set or not."""
-    return {k: ("<set>" if v else v) if k in SECRET_FIELDS else v for k, v in settings.items()}
+    """A settings dict fit for a log line: secrets shown only as set or not, URL passwords hidden."""
+    return {
+        k: ("<set>" if v else v) if k in SECRET_FIELDS else redact_url(v) if isinstance(v, str) else v
+        for k, v in settings.items()
+    }
+
+
+class RedactingFilter(logging.Filter):
+    """Hides URL passwords in every record a handler emits (its message and its traceback), so a
+    library that logs a URL it was given cannot leak one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact_url(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact_url(record.exc_text)
+        return True
+
+
+def setup_logging(level: int) -> None:
+    """basicConfig with URL passwords redacted on every root handler (the services' entry points)."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
 
 
 # ---------------------------------------------------------------- TLS

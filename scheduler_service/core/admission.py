@@ -1,0 +1,168 @@
+"""SLO-aware admission: will a new request meet its SLOs on a worker, given that worker's queue
+and measured speed? Pure (no clock, no I/O): the live scheduler asks it for every request.
+
+    StepSpeed        seconds per step = base_s + per_token_s x tokens scheduled in the step
+    SpeedFit         that line fitted online from the steps a worker ran (least squares over
+                     the last `window` steps), starting from a prior (the cost model's)
+    QueueView        what a worker holds: running requests' output tokens left, waiting
+                     requests' prompt and output tokens, its max_num_seqs and token budget
+    estimate()       TTFT and mean TBT the new request would see there
+    decide()         admit, or refuse naming the SLO that cannot be met
+
+The estimate, for a worker with R running and Q waiting requests and S seats (max_num_seqs):
+the new request is prefilled once it has a seat and the prompts ahead of it are computed, so
+
+    TTFT = seat_steps x step(decode batch) + prefill_steps x base_s + per_token_s x (prompts ahead
+           + its own + prefill_steps x decode batch)
+
+where seat_steps is 0 while R + Q < S, else the decode steps until enough running requests
+end (the k-th shortest remainder); and once it decodes in a batch of B = min(S, R + Q + 1),
+each step carries B decode tokens plus the prompts of the requests that replace the ones that
+end (B x prompt/output tokens per step, in steady state), so
+
+    mean TBT = base_s + per_token_s x B x (1 + mean prompt / mean output)
+
+A request whose SLOs the estimate cannot meet is refused: admitting it would miss them and
+slow every request already admitted. The TBT rule is what bounds the batch: it derives the
+number of sequences a worker can serve within the SLO from its measured speed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StepSpeed:
+    base_s: float  # seconds of a step whatever it holds
+    per_token_s: float  # seconds per token scheduled in it
+
+    def step_s(self, tokens: float) -> float:
+        return self.base_s + self.per_token_s * tokens
+
+    def max_batch(self, tbt_s: float, prompt_per_output: float = 0.0) -> int:
+        """The largest decode batch whose steady-state step (estimate's TBT rule) fits tbt_s."""
+        if self.per_token_s <= 0:
+            return 1 << 30
+        return max(0, math.floor((tbt_s - self.base_s) / (self.per_token_s * (1.0 + prompt_per_output))))
+
+
+class SpeedFit:
+    """A worker's StepSpeed, fitted by least squares over its last `window` steps (tokens,
+    seconds). With fewer than `min_samples` steps, or steps all of one size (the slope cannot
+    be told), the prior's slope is kept and only the base is fitted."""
+
+    def __init__(self, prior: StepSpeed, window: int = 256, min_samples: int = 8) -> None:
+        self.prior = prior
+        self.min_samples = min_samples
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._fitted: StepSpeed | None = None
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0 and math.isfinite(seconds):
+            self._samples.append((tokens, seconds))
+            self._fitted = None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def speed(self) -> StepSpeed:
+        if len(self._samples) < self.min_samples:
+            return self.prior
+        if self._fitted is None:
+            self._fitted = _least_squares(self._samples, self.prior)
+        return self._fitted
+
+
+def _least_squares(samples: Sequence[tuple[int, float]], prior: StepSpeed) -> StepSpeed:
+    n = len(samples)
+    mean_x = sum(x for x, _ in samples) / n
+    mean_y = sum(y for _, y in samples) / n
+    var = sum((x - mean_x) ** 2 for x, _ in samples) / n
+    slope = prior.per_token_s
+    if var >= 1.0:
+        slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in samples) / n / var)
+    base = mean_y - slope * mean_x
+    if base < 0:  # NOTE: a line through the steps' mean that starts below zero: all of it per token
+        base, slope = 0.0, mean_y / mean_x
+    return StepSpeed(base, slope)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueView:
+    running_left: tuple[int, ...] = ()  # output tokens each running request still produces
+    running_prefill: int = 0  # prompt tokens the running requests still compute
+    waiting_prompts: tuple[int, ...] = ()  # tokens each waiting request computes before its first token
+    waiting_outputs: tuple[int, ...] = ()  # output tokens each waiting request will produce
+    max_num_seqs: int = 256
+    token_budget: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    ttft_s: float
+    tbt_s: float
+    batch: int  # the decode batch the request would run in
+
+
+def estimate(view: QueueView, prompt_tokens: int, output_tokens: int, speed: StepSpeed) -> Estimate:
+    """TTFT and mean TBT of a new request placed behind `view`'s queue (module docstring)."""
+    running, waiting = len(view.running_left), len(view.waiting_prompts)
+    seats = max(1, view.max_num_seqs)
+    batch = min(seats, running + waiting + 1)
+    decoding_meanwhile = min(seats, running + waiting)
+    outputs = [*view.waiting_outputs, output_tokens]
+    mean_output = max(1.0, sum(outputs) / len(outputs))
+    departures_needed = running + waiting + 1 - seats
+    if departures_needed <= 0:
+        seat_steps = 0.0
+    elif departures_needed <= running:
+        seat_steps = float(sorted(view.running_left)[departures_needed - 1])
+    else:
+        waves = math.ceil((departures_needed - running) / seats)
+        seat_steps = max(view.running_left, default=0) + waves * mean_output
+    prefill = view.running_prefill + sum(view.waiting_prompts) + prompt_tokens
+    prefill_steps = max(1, math.ceil(prefill / max(1, view.token_budget)))
+    ttft = (
+        seat_steps * speed.step_s(decoding_meanwhile)
+        + prefill_steps * speed.base_s
+        + speed.per_token_s * (prefill + prefill_steps * decoding_meanwhile)
+    )
+    prompts = [*view.waiting_prompts, prompt_tokens]
+    prompt_per_output = (sum(prompts) / len(prompts)) / mean_output
+    tbt = speed.step_s(batch * (1.0 + prompt_per_output))
+    return Estimate(ttft, tbt, batch)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    admit: bool
+    reason: str  # "" when admitted, else the SLO that cannot be met: "ttft" or "tbt"
+    estimate: Estimate | None = None
+
+    def describe(self, ttft_s: float | None, tbt_s: float | None) -> str:
+        est = self.estimate
+        if est is None or self.admit:
+            return "admitted"
+        if self.reason == "ttft":
+            return f"SLO cannot be met: estimated TTFT {est.ttft_s * 1e3:.0f} ms > ttft_ms {(ttft_s or 0) * 1e3:g}"
+        return (
+            f"SLO cannot be met: estimated TBT {est.tbt_s * 1e3:.0f} ms at a batch of {est.batch} "
+            f"> tbt_ms {(tbt_s or 0) * 1e3:g}"
+        )
+
+
+ADMITTED = Decision(True, "")
+
+
+def decide(est: Estimate, ttft_s: float | None, tbt_s: float | None) -> Decision:
+    """Admit when every SLO given is met by the estimate; otherwise name the first that is not."""
+    if ttft_s is not None and est.ttft_s > ttft_s:
+        return Decision(False, "ttft", est)
+    if tbt_s is not None and est.tbt_s > tbt_s:
+        return Decision(False, "tbt", est)
+    return Decision(True, "", est)
