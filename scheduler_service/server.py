@@ -128,12 +128,13 @@ def _status(code: int, message: str, *details: object) -> grpc.Status:
     return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=_packed(*details)))
 
 
-def queue_full_status(message: str, retry_after_s: float) -> grpc.Status:
+def queue_full_status(message: str, retry_after_s: float, reason: str = "QUEUE_FULL") -> grpc.Status:
     """RESOURCE_EXHAUSTED with RetryInfo and ErrorInfo details: gRPC itself answers
     RESOURCE_EXHAUSTED for oversized messages, so clients need the details to tell
-    backpressure (retry later) from a request that will never fit."""
+    backpressure (retry later) from a request that will never fit. `reason`: QUEUE_FULL, or
+    SLO_UNMEETABLE (admission: its SLOs would be missed under the load there is now)."""
     retry = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(nanos=int(retry_after_s * 1e9)))
-    info = error_details_pb2.ErrorInfo(reason="QUEUE_FULL", domain=ERROR_DOMAIN)
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN)
     return _status(code_pb2.RESOURCE_EXHAUSTED, message, retry, info)
 
 
@@ -147,6 +148,8 @@ def invalid_argument_status(exc: InvalidRequestError) -> grpc.Status:
 async def abort_rejected(context: grpc.aio.ServicerContext, exc: Rejected, retry_after_s: float) -> None:
     if exc.reason is RejectReason.QUEUE_FULL:
         await context.abort_with_status(queue_full_status(str(exc), retry_after_s))
+    if exc.reason is RejectReason.SLO_UNMEETABLE:
+        await context.abort_with_status(queue_full_status(str(exc), retry_after_s, "SLO_UNMEETABLE"))
     if exc.reason is RejectReason.NO_WORKER:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     if exc.reason in (RejectReason.DUPLICATE_ID, RejectReason.PROMPT_TOO_LONG, RejectReason.EXCEEDS_KV_CAPACITY):
@@ -161,6 +164,7 @@ _REJECTED_CODES: dict[str, int] = {
     RejectReason.NO_WORKER: code_pb2.UNAVAILABLE,
     RejectReason.QUEUE_FULL: code_pb2.RESOURCE_EXHAUSTED,
     RejectReason.UNSCHEDULABLE: code_pb2.RESOURCE_EXHAUSTED,
+    RejectReason.SLO_UNMEETABLE: code_pb2.RESOURCE_EXHAUSTED,
     RejectReason.PROMPT_TOO_LONG: code_pb2.INVALID_ARGUMENT,
     RejectReason.EXCEEDS_KV_CAPACITY: code_pb2.INVALID_ARGUMENT,
     RejectReason.DUPLICATE_ID: code_pb2.INVALID_ARGUMENT,

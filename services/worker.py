@@ -37,6 +37,7 @@ class WorkerConfig(SecurityConfig, WarmupDefaults, EngineConfig):
     threads: int = opt(0, "torch intra-op threads on CPU; 0: torch's default")
     engine: str = opt("torch", "torch: run the model; echo (or none): check plans and answer synthetic tokens")
     echo_step_ms: float = opt(0.0, "with --engine echo: sleep this long per step")
+    echo_token_ms: float = opt(0.0, "with --engine echo: and this long per token the step schedules")
     echo_async_device: bool = opt(
         False, "with --echo-step-ms: the step's time is awaited off the CPU, as a GPU's kernels run (not slept)"
     )
@@ -76,7 +77,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.engine in ("echo", "none"):
         from worker_service.echo_engine import EchoEngine
 
-        factory = partial(EchoEngine, step_time_s=cfg.echo_step_ms / 1e3, async_device=cfg.echo_async_device)
+        factory = partial(
+            EchoEngine,
+            step_time_s=cfg.echo_step_ms / 1e3,
+            async_device=cfg.echo_async_device,
+            token_time_s=cfg.echo_token_ms / 1e3,
+        )
     engine_config, defaults = subset(EngineConfig, cfg), subset(WarmupDefaults, cfg)
     try:
         role_value(cfg.role)

@@ -12,8 +12,8 @@ and measured speed? Pure (no clock, no I/O): the live scheduler asks it for ever
 The estimate, for a worker with R running and Q waiting requests and S seats (max_num_seqs):
 the new request is prefilled once it has a seat and the prompts ahead of it are computed, so
 
-    TTFT = seat_steps x step(decode batch) + prefill_steps x base_s + per_token_s x (prompts ahead
-           + its own + prefill_steps x decode batch)
+    TTFT = steps in flight + seat_steps x step(decode batch) + prefill_steps x base_s
+           + per_token_s x (prompts ahead + its own + prefill_steps x decode batch)
 
 where seat_steps is 0 while R + Q < S, else the decode steps until enough running requests
 end (the k-th shortest remainder); and once it decodes in a batch of B = min(S, R + Q + 1),
@@ -52,8 +52,9 @@ class StepSpeed:
 
 class SpeedFit:
     """A worker's StepSpeed, fitted by least squares over its last `window` steps (tokens,
-    seconds). With fewer than `min_samples` steps, or steps all of one size (the slope cannot
-    be told), the prior's slope is kept and only the base is fitted."""
+    seconds). With fewer than `min_samples` steps the prior is scaled to what they took; with
+    steps all of one size (the slope cannot be told) the prior's slope is kept and only the base
+    is fitted."""
 
     def __init__(self, prior: StepSpeed, window: int = 256, min_samples: int = 8) -> None:
         self.prior = prior
@@ -71,8 +72,14 @@ class SpeedFit:
         return len(self._samples)
 
     def speed(self) -> StepSpeed:
-        if len(self._samples) < self.min_samples:
+        if not self._samples:
             return self.prior
+        if len(self._samples) < self.min_samples:
+            # NOTE: the prior's shape, scaled to the steps seen: a cost model off by 10x (the
+            # analytic roofline of a CPU, an emulated device) is corrected by the first step.
+            predicted = sum(self.prior.step_s(x) for x, _ in self._samples)
+            ratio = sum(y for _, y in self._samples) / predicted if predicted > 0 else 1.0
+            return StepSpeed(self.prior.base_s * ratio, self.prior.per_token_s * ratio)
         if self._fitted is None:
             self._fitted = _least_squares(self._samples, self.prior)
         return self._fitted
@@ -100,6 +107,9 @@ class QueueView:
     waiting_outputs: tuple[int, ...] = ()  # output tokens each waiting request will produce
     max_num_seqs: int = 256
     token_budget: int = 8192
+    # (tokens, seconds since it started) of each step sent and not answered yet, oldest first:
+    # they run before any new plan
+    in_flight: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +120,15 @@ class Estimate:
 
 
 def estimate(view: QueueView, prompt_tokens: int, output_tokens: int, speed: StepSpeed) -> Estimate:
-    """TTFT and mean TBT of a new request placed behind `view`'s queue (module docstring)."""
+    """TTFT and mean TBT of a new request placed behind `view`'s queue (module docstring).
+    A step in flight that has already run longer than `speed` says it takes is evidence the
+    worker is slower now (a speed fitted on too few steps, a busy machine): the estimate is
+    slowed down by that ratio."""
+    if view.in_flight:
+        tokens, elapsed = view.in_flight[0]
+        slowdown = elapsed / speed.step_s(tokens) if speed.step_s(tokens) > 0 else 1.0
+        if slowdown > 1.0:
+            speed = StepSpeed(speed.base_s * slowdown, speed.per_token_s * slowdown)
     running, waiting = len(view.running_left), len(view.waiting_prompts)
     seats = max(1, view.max_num_seqs)
     batch = min(seats, running + waiting + 1)
@@ -128,7 +146,8 @@ def estimate(view: QueueView, prompt_tokens: int, output_tokens: int, speed: Ste
     prefill = view.running_prefill + sum(view.waiting_prompts) + prompt_tokens
     prefill_steps = max(1, math.ceil(prefill / max(1, view.token_budget)))
     ttft = (
-        seat_steps * speed.step_s(decoding_meanwhile)
+        sum(max(0.0, speed.step_s(tokens) - elapsed) for tokens, elapsed in view.in_flight)
+        + seat_steps * speed.step_s(decoding_meanwhile)
         + prefill_steps * speed.base_s
         + speed.per_token_s * (prefill + prefill_steps * decoding_meanwhile)
     )
@@ -144,25 +163,42 @@ class Decision:
     reason: str  # "" when admitted, else the SLO that cannot be met: "ttft" or "tbt"
     estimate: Estimate | None = None
 
-    def describe(self, ttft_s: float | None, tbt_s: float | None) -> str:
+    def describe(self, ttft_s: float | None, tbt_s: float | None, headroom: float = 1.0) -> str:
         est = self.estimate
+        if self.reason == "cold":
+            return f"SLO cannot be met now: the workers' speed is being measured (at most {COLD_SEQS} requests each)"
         if est is None or self.admit:
             return "admitted"
+        share = f"{headroom:.0%} of " if headroom < 1 else ""
         if self.reason == "ttft":
-            return f"SLO cannot be met: estimated TTFT {est.ttft_s * 1e3:.0f} ms > ttft_ms {(ttft_s or 0) * 1e3:g}"
+            return (
+                f"SLO cannot be met under the current load: estimated TTFT {est.ttft_s * 1e3:.0f} ms > "
+                f"{share}ttft_ms {(ttft_s or 0) * 1e3:g}"
+            )
         return (
-            f"SLO cannot be met: estimated TBT {est.tbt_s * 1e3:.0f} ms at a batch of {est.batch} "
-            f"> tbt_ms {(tbt_s or 0) * 1e3:g}"
+            f"SLO cannot be met under the current load: estimated TBT {est.tbt_s * 1e3:.0f} ms at a batch of "
+            f"{est.batch} > {share}tbt_ms {(tbt_s or 0) * 1e3:g}"
         )
 
 
 ADMITTED = Decision(True, "")
+COLD_SEQS = 4  # requests a worker holds at most until it has run SpeedFit.min_samples steps
 
 
-def decide(est: Estimate, ttft_s: float | None, tbt_s: float | None) -> Decision:
-    """Admit when every SLO given is met by the estimate; otherwise name the first that is not."""
-    if ttft_s is not None and est.ttft_s > ttft_s:
+def decide_cold(view: QueueView, fit: SpeedFit) -> Decision | None:
+    """Until a worker's speed is measured (its first steps), its prior may be off by 10x (an
+    analytic roofline, an emulated device): it holds at most COLD_SEQS requests, whose first
+    steps measure it. None once measured, or while it holds fewer."""
+    if fit.num_samples >= fit.min_samples or len(view.running_left) + len(view.waiting_prompts) < COLD_SEQS:
+        return None
+    return Decision(False, "cold")
+
+
+def decide(est: Estimate, ttft_s: float | None, tbt_s: float | None, headroom: float = 1.0) -> Decision:
+    """Admit when the estimate meets every SLO given within `headroom` of it (a share, <= 1);
+    otherwise name the first it does not."""
+    if ttft_s is not None and est.ttft_s > headroom * ttft_s:
         return Decision(False, "ttft", est)
-    if tbt_s is not None and est.tbt_s > tbt_s:
+    if tbt_s is not None and est.tbt_s > headroom * tbt_s:
         return Decision(False, "tbt", est)
     return Decision(True, "", est)

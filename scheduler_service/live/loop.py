@@ -66,6 +66,8 @@ class LoopHost(Protocol):
 
     def worker_reset(self, worker_id: int) -> None: ...
 
+    def observe_step(self, worker_id: int, tokens: int, seconds: float) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ class WorkerLoop:
         self.worker_id = remote.worker_id
         self.wake = asyncio.Event()
         self.redial = asyncio.Event()  # set: a reconnect dials now (the worker was restarted)
+        self._stepping: tuple[StepPlan, float] | None = None  # the plan `_step` awaits, and since when
         self.connected = True
         self.num_steps = 0
         self.num_resyncs = 0  # sessions re-established without the worker counting as down
@@ -181,14 +184,28 @@ class WorkerLoop:
             await self._sleep()
             return
         shape = self.note_scheduled(plan)
-        result = await self.remote.execute(plan)
+        self._stepping = (plan, time.perf_counter())
+        try:
+            result = await self.remote.execute(plan)
+        finally:
+            self._stepping = None
         now = live.clock()
         self.on_contact(now)
         out = cluster.complete_step(w, result, now)
         self.num_steps += 1
         await live.deliver(out.tokens, now)
         live.settle()
+        live.observe_step(w, sum(plan.num_scheduled_tokens.values()), result.total_s)
         self.step_log.append((len(plan.num_scheduled_tokens), time.perf_counter() - started, result.total_s, shape))
+
+    def in_flight_tokens(self) -> tuple[tuple[int, float], ...]:
+        """(scheduled tokens, seconds since it could start) of each step sent and not answered,
+        oldest first (admission's estimate); a step planned ahead has not started (0 s)."""
+        now = time.perf_counter()
+        if self._stepping is not None:
+            plan, since = self._stepping
+            return ((sum(plan.num_scheduled_tokens.values()), now - since),)
+        return self.pipeline.in_flight(now)
 
     def note_scheduled(self, plan: StepPlan) -> BatchShape | None:
         """Metrics of a plan about to be sent; its BatchShape when the step log keeps them."""

@@ -36,8 +36,20 @@ from dataclasses import asdict
 
 from scheduler_service.cluster import ClusterSpec, DisaggCluster, WorkerSpec, build_cluster
 from scheduler_service.cluster.lengths import GivenLengths
+from scheduler_service.core.admission import (
+    ADMITTED,
+    QueueView,
+    SpeedFit,
+    StepSpeed,
+    decide,
+    decide_cold,
+    estimate,
+)
 from scheduler_service.core.preemption import RejectReason
 from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.slo import SLOClass
+from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_worker_cost_model
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.discovery import WorkerDiscovery
@@ -52,6 +64,7 @@ from sluice.common.grpc_server import KEEPALIVE, Keepalive
 from sluice.common.predictor_client import PredictorClient
 from sluice.common.prom import ServingMetrics
 from sluice.common.security import ANONYMOUS, PLAINTEXT, ClientSecurity
+from sluice.contract.profile import BatchShape
 from sluice.contract.sampling import InvalidRequestError
 from sluice.v1 import generation_pb2
 
@@ -105,6 +118,30 @@ def served_context_len(cfg: LiveConfig, caps: Sequence[WorkerCapacity]) -> int:
         )
         length = cfg.max_num_batched_tokens
     return length
+
+
+def prior_speed(cost_model: CostModel) -> StepSpeed:
+    """The step speed admission assumes before a worker has run steps: the cost model's
+    (a fitted profile's when given, else the analytic roofline)."""
+    base = cost_model.iteration_time(BatchShape(num_decodes=1, decode_context_sum=1, decode_context_max=1))
+    per_token = max(0.0, (cost_model.prefill_time(1024) - cost_model.prefill_time(64)) / 960)
+    return StepSpeed(base, per_token)
+
+
+def queue_view(sched: Scheduler, in_flight: tuple[tuple[int, float], ...] = ()) -> QueueView:
+    """What admission needs of one worker's queue (running, swapped and kept requests count as
+    running: they hold seats); `in_flight`: (tokens, seconds running) of its steps not answered."""
+    held = [*sched.running.values(), *sched.swapped.values(), *sched.kept.values()]
+    waiting = list(sched.waiting.values())
+    return QueueView(
+        running_left=tuple(r.remaining_output_estimate for r in held),
+        running_prefill=sum(r.num_tokens_to_compute for r in held if r.is_prefill),
+        waiting_prompts=tuple(r.num_tokens_to_compute for r in waiting),
+        waiting_outputs=tuple(r.remaining_output_estimate for r in waiting),
+        max_num_seqs=sched.config.max_num_seqs,
+        token_budget=sched.config.max_num_batched_tokens,
+        in_flight=in_flight,
+    )
 
 
 def cluster_spec(cfg: LiveConfig, caps: Sequence[WorkerCapacity], max_model_len: int) -> ClusterSpec:
@@ -173,6 +210,7 @@ class LiveScheduler:
         self._decode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-decode")
         self._decode_lock = asyncio.Lock()
         self.transfers = KVTransfers(self)
+        self._refusal = ""  # why admission refused the request being submitted
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -257,6 +295,12 @@ class LiveScheduler:
         self.metrics = LiveMetrics(self.model, cfg.policy, self.serving)
         self.metrics.initialise_series([str(w) for w in range(len(caps))])
         self.spec = cluster_spec(cfg, caps, self.max_model_len)
+        if cfg.admission not in ("slo", "off"):
+            raise ValueError(f"admission: must be slo or off, got {cfg.admission!r}")
+        if not 0 < cfg.admission_headroom <= 1:
+            raise ValueError(f"admission_headroom: must be in (0, 1], got {cfg.admission_headroom!r}")
+        self.speed_prior = prior_speed(self.spec.cost_model)
+        self.speeds = {w: SpeedFit(self.speed_prior) for w in range(len(caps))}
         self.cluster = build_cluster(self.spec, self.metrics, timer=time.perf_counter)
         self.limits = Limits(
             max_model_len=self.max_model_len,
@@ -337,9 +381,11 @@ class LiveScheduler:
         self.metrics.start_trace(request, dict(msg.labels))
         stream = RequestStream(request, self._detokenizer(request), request.sampling.stop, owner)
         self.streams[rid] = stream
-        reason = self.cluster.submit(request, now)
+        reason = self.cluster.submit(request, now, self._admission(request))
         if reason is not None:
             del self.streams[rid]
+            if reason is RejectReason.SLO_UNMEETABLE:
+                raise Rejected(reason, self._refusal)
             raise Rejected(reason, request.finish_message or str(reason))
         if self.predictor is not None:
             self.predictor.ask(request)
@@ -357,6 +403,50 @@ class LiveScheduler:
             now = self.clock()
             self.metrics.on_reject(request or rejected_stub(rid, msg, now), RejectReason.QUEUE_FULL, now)
             raise Rejected(RejectReason.QUEUE_FULL, f"the waiting queue is full ({self.config.max_waiting} requests)")
+
+    def _admission(self, request: Request) -> Callable[[Request, int], RejectReason | None] | None:
+        """SLO-aware admission (core/admission.py) as the cluster's hook: asked about the worker
+        the router chose, it refuses (SLO_UNMEETABLE) a request whose TTFT or TBT SLO that
+        worker's queue and measured speed say cannot be met. Offline requests (judged by JCT),
+        requests without a TTFT or TBT SLO and `admission off` are admitted up to max_waiting.
+        The decision goes on the request's span and the admission counter."""
+        slo, cfg = request.slo, self.config
+        ttft_s, tbt_s = slo.ttft_s, slo.tbt_s or cfg.tbt_slo_s
+        why = (
+            "off"
+            if cfg.admission == "off"
+            else "offline"
+            if slo.effective_class is SLOClass.OFFLINE
+            else "no_slo"
+            if (ttft_s is None and tbt_s is None) or isinstance(self.cluster, DisaggCluster)
+            else ""
+        )
+        if why:
+            self.metrics.on_admission(request, ADMITTED, why)
+            return None
+
+        def admit(request: Request, worker: int) -> RejectReason | None:
+            view = queue_view(self.cluster.schedulers[worker], self.loops[worker].in_flight_tokens())
+            prompt, output = request.num_tokens_to_compute, request.remaining_output_estimate
+            fit = self.speeds[worker]
+            decision = decide_cold(view, fit) or decide(
+                estimate(view, prompt, output, fit.speed()), ttft_s, tbt_s, cfg.admission_headroom
+            )
+            self.metrics.on_admission(request, decision, "slo")
+            if decision.admit:
+                return None
+            self._refusal = decision.describe(ttft_s, tbt_s, cfg.admission_headroom)
+            return RejectReason.SLO_UNMEETABLE
+
+        return admit
+
+    def observe_step(self, worker_id: int, tokens: int, seconds: float) -> None:
+        """A step's scheduled tokens and the seconds the worker says it took: the worker's
+        measured speed that admission estimates with (what the scheduler adds around a step
+        is covered by admission_headroom)."""
+        speed = self.speeds.get(worker_id)
+        if speed is not None:
+            speed.add(tokens, seconds)
 
     async def _prompt_ids(self, msg: generation_pb2.GenerateRequest) -> list[int]:
         if msg.WhichOneof("prompt") != "text":
@@ -537,6 +627,7 @@ class LiveScheduler:
         self.addresses.append(address)  # NOTE: ids are never reused, so addresses[id] stays the worker's
         loop = WorkerLoop(self, remote, cap)
         self.loops[worker_id] = loop
+        self.speeds[worker_id] = SpeedFit(self.speed_prior)
         self._tasks.append(asyncio.create_task(loop.run(), name=f"sluice-worker-{worker_id}"))
         self.metrics.initialise_series([str(worker_id)])
         log.warning(
