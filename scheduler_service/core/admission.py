@@ -20,7 +20,10 @@ end (the k-th shortest remainder); and once it decodes in a batch of B = min(S, 
 each step carries B decode tokens plus the prompts of the requests that replace the ones that
 end (B x prompt/output tokens per step, in steady state), so
 
-    mean TBT = base_s + per_token_s x B x (1 + mean prompt / mean output)
+    mean TBT = base_s + per_token_s x (B + max(B x mean prompt / mean output, prompts pending))
+
+where the prompts pending (admitted, not computed yet) land in the coming steps at once: a
+lump larger than the steady turnover slows those steps, which paces a ramp from an empty batch.
 
 A request whose SLOs the estimate cannot meet is refused: admitting it would miss them and
 slow every request already admitted. The TBT rule is what bounds the batch: it derives the
@@ -61,17 +64,26 @@ class SpeedFit:
         self.min_samples = min_samples
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._fitted: StepSpeed | None = None
+        self.overhead_s = 0.0  # mean seconds a step takes beyond the worker's own (the wire, the scheduler)
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: int, seconds: float, seen_s: float | None = None) -> None:
+        """A step of `tokens` that the worker says took `seconds`; `seen_s`: how long it took
+        as the scheduler saw it (its overhead is averaged and added to every step)."""
         if tokens > 0 and seconds > 0 and math.isfinite(seconds):
             self._samples.append((tokens, seconds))
             self._fitted = None
+            if seen_s is not None and math.isfinite(seen_s):
+                self.overhead_s += 0.05 * (max(0.0, seen_s - seconds) - self.overhead_s)
 
     @property
     def num_samples(self) -> int:
         return len(self._samples)
 
     def speed(self) -> StepSpeed:
+        speed = self._speed()
+        return StepSpeed(speed.base_s + self.overhead_s, speed.per_token_s) if self.overhead_s else speed
+
+    def _speed(self) -> StepSpeed:
         if not self._samples:
             return self.prior
         if len(self._samples) < self.min_samples:
@@ -153,7 +165,11 @@ def estimate(view: QueueView, prompt_tokens: int, output_tokens: int, speed: Ste
     )
     prompts = [*view.waiting_prompts, prompt_tokens]
     prompt_per_output = (sum(prompts) / len(prompts)) / mean_output
-    tbt = speed.step_s(batch * (1.0 + prompt_per_output))
+    # NOTE: the prompts already pending are computed in the coming steps, beside the decodes
+    # (the new request's among them): a lump above the steady turnover makes those steps
+    # slower, so the larger of the two counts. This paces a ramp from an empty batch.
+    pending = view.running_prefill + sum(view.waiting_prompts)
+    tbt = speed.step_s(batch + max(batch * prompt_per_output, pending))
     return Estimate(ttft, tbt, batch)
 
 

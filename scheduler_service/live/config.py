@@ -54,7 +54,7 @@ class LiveConfig:
     )
     # NOTE: measured steps vary (the scheduler's own work, other processes on the cores): an
     # estimate right at the SLO is met about half the time, so it must fit with room to spare.
-    admission_headroom: float = opt(0.8, "admission: the estimate must fit within this share of each SLO")
+    admission_headroom: float = opt(0.75, "admission: the estimate must fit within this share of each SLO")
     step_timeout_s: float = opt(30.0, "a worker that takes longer for one step is treated as lost")
     connect_timeout_s: float = opt(60.0, "seconds for Info + Warmup of one worker")
     probe_interval_s: float = opt(

@@ -440,13 +440,12 @@ class LiveScheduler:
 
         return admit
 
-    def observe_step(self, worker_id: int, tokens: int, seconds: float) -> None:
-        """A step's scheduled tokens and the seconds the worker says it took: the worker's
-        measured speed that admission estimates with (what the scheduler adds around a step
-        is covered by admission_headroom)."""
+    def observe_step(self, worker_id: int, tokens: int, seconds: float, seen_s: float) -> None:
+        """A step's scheduled tokens, the seconds the worker says it took and how long it took
+        as seen here: the worker's measured speed that admission estimates with."""
         speed = self.speeds.get(worker_id)
         if speed is not None:
-            speed.add(tokens, seconds)
+            speed.add(tokens, seconds, seen_s)
 
     async def _prompt_ids(self, msg: generation_pb2.GenerateRequest) -> list[int]:
         if msg.WhichOneof("prompt") != "text":

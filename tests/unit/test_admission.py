@@ -63,3 +63,16 @@ def test_the_speed_fit_recovers_the_step_line_and_keeps_the_prior_slope_when_ste
         alike.add(100, 0.15)
     assert alike.speed().per_token_s == pytest.approx(0.001)
     assert alike.speed().base_s == pytest.approx(0.05)
+
+
+def test_prompts_already_pending_pace_admission_so_a_ramp_does_not_stall_the_running_batch() -> None:
+    running = (16,) * 6
+    alone = estimate(QueueView(running_left=running), 48, 16, SPEED)
+    behind = estimate(
+        QueueView(running_left=running, waiting_prompts=(48, 48), waiting_outputs=(16, 16)), 48, 16, SPEED
+    )
+    # 6 running + the new one: 7 x (1 + 3) tokens a step at steady turnover; two pending
+    # prompts (96 tokens) land in the coming steps at once, more than that turnover
+    assert alone.tbt_s == pytest.approx(0.010 + 0.002 * 28)
+    assert behind.tbt_s == pytest.approx(0.010 + 0.002 * (9 + 96))
+    assert decide(alone, None, 0.150).admit and not decide(behind, None, 0.150).admit
