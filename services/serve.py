@@ -833,14 +833,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _logging()
     cfg = config_from(ServeConfig, args, file=args.config, exclude=SERVE_EXCLUDES)
     try:
-        worker_roles(cfg)
-        cfg.worker_cpu_set()  # a bad CPU list fails here, before anything starts
-        cfg.predictor_cpu_set()
-        cfg.scheduler_cpu_set()
+        check_serve_config(cfg)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     demo = DemoOptions(num_requests=args.demo_requests) if args.demo else None
     return asyncio.run(serve(cfg, demo))
+
+
+def check_serve_config(cfg: ServeConfig) -> None:
+    """Every option, before a child starts (ValueError naming it): the workers' split and CPU
+    lists, the scheduler's options (policy and router options included), the TLS files."""
+    from scheduler_service.live.validate import check_live_config
+
+    worker_roles(cfg)
+    cfg.worker_cpu_set()
+    cfg.predictor_cpu_set()
+    cfg.scheduler_cpu_set()
+    check_live_config(cfg.live_config())
+    ServerSecurity.from_config(cfg)
+    for name in ("restart_min_s", "restart_max_s", "worker_start_timeout_s", "grace_s"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name}: must be > 0, got {getattr(cfg, name)!r}")
+    if cfg.num_gpu_blocks is not None and cfg.num_gpu_blocks < 1:
+        raise ValueError(f"num_gpu_blocks: must be >= 1 (or none), got {cfg.num_gpu_blocks!r}")
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:

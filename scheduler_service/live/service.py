@@ -59,7 +59,8 @@ from scheduler_service.live.loop import WorkerLoop
 from scheduler_service.live.observe import LiveMetrics
 from scheduler_service.live.remote import RemoteWorker, WarmupOptions, WorkerCapacity, WorkerLost
 from scheduler_service.live.stream import RequestStream
-from scheduler_service.live.transfers import KVTransfers, check_transfer_config
+from scheduler_service.live.transfers import KVTransfers
+from scheduler_service.live.validate import check_live_config
 from sluice.common.grpc_server import KEEPALIVE, Keepalive
 from sluice.common.predictor_client import PredictorClient
 from sluice.common.prom import ServingMetrics
@@ -187,7 +188,7 @@ class LiveScheduler:
             raise ValueError("the scheduler needs at least one worker address")
         self.addresses = list(addresses)
         self.config = config or LiveConfig()
-        check_transfer_config(self.config)
+        check_live_config(self.config)
         self.serving = serving
         self.clock = clock
         self.security = security
@@ -295,10 +296,6 @@ class LiveScheduler:
         self.metrics = LiveMetrics(self.model, cfg.policy, self.serving)
         self.metrics.initialise_series([str(w) for w in range(len(caps))])
         self.spec = cluster_spec(cfg, caps, self.max_model_len)
-        if cfg.admission not in ("slo", "off"):
-            raise ValueError(f"admission: must be slo or off, got {cfg.admission!r}")
-        if not 0 < cfg.admission_headroom <= 1:
-            raise ValueError(f"admission_headroom: must be in (0, 1], got {cfg.admission_headroom!r}")
         self.speed_prior = prior_speed(self.spec.cost_model)
         self.speeds = {w: SpeedFit(self.speed_prior) for w in range(len(caps))}
         self.cluster = build_cluster(self.spec, self.metrics, timer=time.perf_counter)

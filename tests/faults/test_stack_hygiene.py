@@ -111,3 +111,23 @@ def test_serve_keeps_secrets_supervises_the_predictor_and_dies_with_all_its_chil
         if serve.poll() is None:
             serve.kill()
             serve.wait(10)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--policy", "vllm:bogus=1"], "policy: 'vllm:bogus=1'"),
+        (["--policy", "sarathi:budget=lots"], "policy: 'sarathi:budget=lots'"),
+        (["--router", "nope"], "router: 'nope'"),
+        (["--admission", "maybe"], "admission:"),
+        (["--tls-cert", "missing.crt", "--tls-key", "missing.key"], "tls_cert:"),
+    ],
+)
+def test_serve_refuses_a_bad_option_before_it_starts_any_child(flags: list[str], named: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_DATA_DIR"}
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--port", "0", *flags]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "starting" not in done.stdout, "no worker was started"
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], done.stderr
