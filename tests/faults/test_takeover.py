@@ -117,7 +117,7 @@ async def test_a_rival_scheduler_gets_one_line_naming_the_worker_and_the_time_le
         errors = [line for line in lines if line.startswith("error: ")]
         assert len(errors) == 1, rival.stderr
         assert f"worker {worker.address}" in errors[0] and "leased to scheduler" in errors[0]
-        assert "lapses in" in errors[0] and "renewed it meanwhile" in errors[0]
+        assert "lapses in" in errors[0] and "its holder renewed it" in errors[0]
         assert "Traceback" not in rival.stderr
     finally:
         await worker.stop()
