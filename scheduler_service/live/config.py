@@ -24,7 +24,7 @@ class LiveConfig:
         256, "max_tokens of a request that sets none (capped by the context left; GetServerInfo advertises it)"
     )
     max_prompt_bytes: int | None = opt(
-        None, "largest text prompt in bytes, checked before tokenizing; none: 32 per token of max_model_len"
+        None, "largest text prompt in bytes, checked before tokenizing; none: 32 per token of the longest prompt served"
     )
     queue_timeout_s: float | None = opt(None, "a request not admitted within this many seconds ends as timed out")
     predictor: str | None = opt(

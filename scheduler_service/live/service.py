@@ -87,6 +87,9 @@ class NotOwner(Exception):
 # Steps with at most this many tokens are detokenized on the event loop: about 50 us per
 # token with the demo tokenizer, less than the ~85 us of a hop to a thread and back.
 INLINE_DETOKENIZE_TOKENS = 2
+# Text prompts of this many characters or more are encoded on a lane of their own (about 10 ms
+# of the tokenizer's time and up: the short requests' lane never waits for one).
+LARGE_PROMPT_CHARS = 64 * 1024
 
 
 def load_tokenizer(model: str, path: str | None) -> object | None:
@@ -206,8 +209,11 @@ class LiveScheduler:
         self.num_tokenizing = 0  # text prompts on the tokenizer thread: they count as waiting
         self.predictor: PredictorLink | None = None
         self.discovery = discovery
-        # NOTE: two pools: a long prompt being encoded never delays a step's detokenizing.
+        # NOTE: three pools: a long prompt being encoded never delays a step's detokenizing,
+        # and prompts of LARGE_PROMPT_BYTES or more have a lane of their own, so two huge ones
+        # cannot hold every encoder thread while short requests wait behind them.
         self._encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-encode")
+        self._encode_large_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-encode-large")
         self._decode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-decode")
         self._decode_lock = asyncio.Lock()
         self.transfers = KVTransfers(self)
@@ -357,6 +363,7 @@ class LiveScheduler:
         if self.predictor is not None:
             await self.predictor.close()
         self._encode_pool.shutdown(wait=False, cancel_futures=True)
+        self._encode_large_pool.shutdown(wait=False, cancel_futures=True)
         self._decode_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ intake
@@ -452,7 +459,8 @@ class LiveScheduler:
         self.num_tokenizing += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._encode_pool, self.tokenizer.encode_unlocked, msg.text)
+            pool = self._encode_large_pool if len(msg.text) >= LARGE_PROMPT_CHARS else self._encode_pool
+            return await loop.run_in_executor(pool, self.tokenizer.encode_unlocked, msg.text)
         finally:
             self.num_tokenizing -= 1
 
