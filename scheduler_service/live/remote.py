@@ -32,7 +32,7 @@ import grpc
 from scheduler_service.costmodel.base import HardwareSpec
 from scheduler_service.costmodel.presets import HARDWARE_PRESETS
 from sluice.common.grpc_server import CHANNEL_OPTIONS
-from sluice.common.security import PLAINTEXT, ClientSecurity
+from sluice.common.security import PLAINTEXT, ClientSecurity, explain_unavailable
 from sluice.contract.plan import StepPlan, StepResult
 from sluice.contract.plan_codec import PlanSender
 from sluice.contract.profile import ModelSpec
@@ -176,10 +176,10 @@ class RemoteWorker:
             health = await stub.Health(worker_pb2.HealthRequest(), timeout=timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             await self.close()
-            left = _lease_left(exc)
-            raise WorkerLost(
-                f"worker {self.address}: {exc.code().name}: {exc.details()}", exc.code().name, left
-            ) from exc
+            code, details = exc.code().name, exc.details() or ""
+            if code == "UNAVAILABLE":
+                details = explain_unavailable(details, self.security)
+            raise WorkerLost(f"worker {self.address}: {code}: {details}", code, _lease_left(exc)) from exc
         if not health.serving:
             await self.close()
             raise WorkerLost(f"worker {self.address} is not serving after warmup: {health.message}")

@@ -264,6 +264,31 @@ class ClientSecurity:
 
 PLAINTEXT = ClientSecurity()
 
+# What gRPC says when a TLS handshake was cut short by the other side.
+_HANDSHAKE_CLOSED = ("Socket closed", "handshake", "Connection reset", "SSL")
+
+
+def explain_unavailable(details: str, security: ClientSecurity) -> str:
+    """UNAVAILABLE's details with what they mean when TLS is involved: gRPC reports a server
+    that refused our certificate (or its absence) only as "Socket closed"; the server's log
+    says why (gRPC's "Handshake failed ... PEER_DID_NOT_RETURN_A_CERTIFICATE" and the like)."""
+    if not any(marker in details for marker in _HANDSHAKE_CLOSED):
+        return details
+    if security.tls is None:
+        return (
+            f"{details} (a plaintext call to a TLS server fails this way: give --tls-ca, and --tls-cert and "
+            "--tls-key when it requires client certificates)"
+        )
+    if security.tls.cert is None:
+        return (
+            f"{details} (the server closed the TLS handshake: under mutual TLS it requires a client certificate "
+            "signed by its CA; give --tls-cert and --tls-key; the server's log says why it refused)"
+        )
+    return (
+        f"{details} (the TLS handshake failed: the server refused our client certificate, or we refused its "
+        "certificate (check --tls-ca and the host name); the server's log says which and why)"
+    )
+
 
 _SERVER_ONLY = ("health_port",)
 

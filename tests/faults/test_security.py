@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -23,6 +26,8 @@ from sluice.common.config import config_from
 from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted
 from sluice.v1 import generation_pb2, generation_pb2_grpc
 from worker_service.server import WorkerServerOptions
+
+ROOT = Path(__file__).resolve().parents[2]
 
 KEYS = "key-alice,key-bob"
 
@@ -227,3 +232,25 @@ async def test_a_request_that_does_not_parse_is_invalid_argument_and_logs_no_tra
         assert served.ok, "the service carries on"
     finally:
         await worker.stop()
+
+
+async def test_a_refused_client_certificate_is_explained_on_both_sides(
+    pki: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """gRPC tells the client only "Socket closed": the client names the likely cause (no client
+    certificate under mutual TLS) and the server's log says which side refused and why."""
+    worker = await EchoWorker.start(0)
+    try:
+        async with stack([worker.address], security=ServerSecurity.from_config(files(pki, "scheduler"))) as s:
+            cmd = [sys.executable, "-m", "services.cli", "generate", "--target", f"localhost:{s.server.port}"]
+            cmd += ["--tls-ca", str(pki / "ca.crt"), "--timeout", "5", "hello"]
+            env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+            done = await asyncio.to_thread(
+                subprocess.run, cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+            )
+    finally:
+        await worker.stop()
+    server_log = capfd.readouterr().err
+    assert done.returncode == 2
+    assert "UNAVAILABLE" in done.stderr and "requires a client certificate" in done.stderr
+    assert "Handshake failed" in server_log and "PEER_DID_NOT_RETURN_A_CERTIFICATE" in server_log
