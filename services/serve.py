@@ -238,7 +238,24 @@ def worker_environment(cfg: ServeConfig) -> dict[str, str]:
     key = cfg.worker_key()
     if key:
         env["SLUICE_API_KEY"] = key  # NOTE: in the environment, not on a command line others can read
+    role = scheduler_role(cfg)
+    if role:
+        env["SLUICE_TLS_CLIENT_ROLES"] = role  # only certificates of our own role drive them
     return env
+
+
+def scheduler_role(cfg: ServeConfig) -> str | None:
+    """Under mutual TLS, the role (subject OU) of the certificate the scheduler dials its
+    children with: the only one they accept (a client's certificate, same CA, is refused)."""
+    if not (cfg.tls_cert and cfg.tls_ca):
+        return None
+    from sluice.common.certs import certificate_role
+
+    try:
+        with open(cfg.tls_cert, "rb") as f:
+            return certificate_role(f.read())
+    except (OSError, ValueError):
+        return None  # NOTE: ServerSecurity.from_config names an unreadable file
 
 
 async def spawn_worker(cfg: ServeConfig, worker_id: int, port: int = 0) -> WorkerProcess:

@@ -128,7 +128,7 @@ class GrpcServer:
         standard health, which a `health_port` also serves in plaintext."""
         security = security or ServerSecurity()
         health_servicer = health_servicer or health.aio.HealthServicer()
-        interceptors: list = [GuardInterceptor(security.api_keys)]
+        interceptors: list = [GuardInterceptor(security.api_keys, client_roles=security.client_roles)]
         # NOTE: the OpenTelemetry interceptor only when tracing is set up (it costs an extra
         # async-generator hop per streamed message).
         if tracing_enabled():

@@ -57,6 +57,11 @@ class SecurityConfig:
     health_port: int | None = opt(
         None, "also serve standard gRPC health, plaintext and unauthenticated, on this port (probes under mTLS)"
     )
+    tls_client_roles: str | None = opt(
+        None,
+        "under mutual TLS, only client certificates whose role (subject OU) is one of these may call "
+        "(comma-separated; `sluice certs` writes the role); none: any certificate tls_ca signed",
+    )
 
 
 SECRET_FIELDS = frozenset({"api_key", "worker_api_key"})
@@ -181,6 +186,18 @@ class ApiKeys:
         return None
 
 
+def client_role(context: grpc.aio.ServicerContext) -> str | None:
+    """The role (subject OU) of the caller's verified client certificate, None without one."""
+    auth = context.auth_context() or {}
+    for subject in auth.get("x509_subject", ()):
+        text = subject.decode() if isinstance(subject, bytes) else str(subject)
+        for part in text.split(","):
+            key, _, value = part.strip().partition("=")
+            if key == "OU":
+                return value
+    return None
+
+
 def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
     for key, value in metadata or ():
         if key == AUTHORIZATION_KEY:
@@ -202,6 +219,7 @@ class ServerSecurity:
 
     tls: TlsFiles | None = None
     api_keys: ApiKeys | None = None
+    client_roles: tuple[str, ...] = ()  # under mutual TLS: the client certificate roles allowed (none: any)
 
     @classmethod
     def from_config(cls, cfg: SecurityConfig) -> ServerSecurity:
@@ -209,7 +227,10 @@ class ServerSecurity:
         if tls is not None and tls.cert is None:
             raise ValueError("tls_ca is set without tls_cert and tls_key: a server needs its own certificate")
         keys = split_keys(cfg.api_key)
-        return cls(tls, ApiKeys(keys) if keys else None)
+        roles = split_keys(cfg.tls_client_roles)
+        if roles and (tls is None or not tls.mutual):
+            raise ValueError("tls_client_roles: needs mutual TLS (tls_cert, tls_key and tls_ca)")
+        return cls(tls, ApiKeys(keys) if keys else None, roles)
 
     @property
     def enabled(self) -> bool:
@@ -290,7 +311,7 @@ def explain_unavailable(details: str, security: ClientSecurity) -> str:
     )
 
 
-_SERVER_ONLY = ("health_port",)
+_SERVER_ONLY = ("health_port", "tls_client_roles")
 
 
 def add_client_security_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fault_harness import EchoWorker, prompt, sampling, stack
+from fault_harness import EchoWorker, prompt, sampling, spawn_worker_process, stack
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli import main as sluice
@@ -24,7 +24,7 @@ from sluice.common.certs import write_dev_pki
 from sluice.common.client import SluiceClient
 from sluice.common.config import config_from
 from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted
-from sluice.v1 import generation_pb2, generation_pb2_grpc
+from sluice.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_service.server import WorkerServerOptions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -254,3 +254,30 @@ async def test_a_refused_client_certificate_is_explained_on_both_sides(
     assert done.returncode == 2
     assert "UNAVAILABLE" in done.stderr and "requires a client certificate" in done.stderr
     assert "Handshake failed" in server_log and "PEER_DID_NOT_RETURN_A_CERTIFICATE" in server_log
+
+
+async def test_a_worker_under_serve_accepts_only_its_schedulers_certificate_role(pki: Path) -> None:
+    """`sluice serve` hands its workers the role of its own certificate (`sluice certs` writes
+    it as the subject OU): a client's certificate, signed by the same CA, is refused."""
+    cfg = ServeConfig(
+        tls_cert=str(pki / "scheduler.crt"), tls_key=str(pki / "scheduler.key"), tls_ca=str(pki / "ca.crt")
+    )
+    env = worker_environment(cfg)
+    assert env["SLUICE_TLS_CLIENT_ROLES"] == "scheduler"
+    tls = ["--tls-cert", str(pki / "worker.crt"), "--tls-key", str(pki / "worker.key"), "--tls-ca", str(pki / "ca.crt")]
+    worker = await spawn_worker_process(0, extra=tls, env={"SLUICE_TLS_CLIENT_ROLES": env["SLUICE_TLS_CLIENT_ROLES"]})
+    try:
+        answers = {}
+        for name in ("scheduler", "alice"):
+            async with ClientSecurity.from_config(files(pki, name)).channel(f"localhost:{worker.port}") as channel:
+                try:
+                    await worker_pb2_grpc.WorkerServiceStub(channel).Info(worker_pb2.InfoRequest(), timeout=10)
+                    answers[name] = "OK"
+                except grpc.aio.AioRpcError as exc:
+                    answers[name] = f"{exc.code().name}: {exc.details()}"
+    finally:
+        worker.stop()
+    assert answers["scheduler"] == "OK"
+    assert answers["alice"] == (
+        "PERMISSION_DENIED: client certificate role 'client' may not call this service (tls_client_roles: scheduler)"
+    )
