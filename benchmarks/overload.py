@@ -245,6 +245,34 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return figures
 
 
+def plot(figures: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = figures["overload"]["runs"]
+    names = list(runs)
+    goodput = [runs[n]["goodput_req_s"] for n in names]
+    attainment = [runs[n]["attainment_admitted"] for n in names]
+    colors = ["tab:green" if n == "default" else "tab:red" if n == "no-admit" else "tab:gray" for n in names]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 6), sharex=True)
+    top.bar(names, goodput, color=colors)
+    top.set_ylabel("goodput (req/s meeting SLO)")
+    top.set_title(
+        f"{figures['overload']['rate_req_s']:g} req/s ({figures['capacity_req_s']:g} req/s capacity), "
+        f"emulated step {figures['emulated_step']}, SLO TTFT {figures['slo_ms']['ttft']:g} ms / TBT "
+        f"{figures['slo_ms']['tbt']:g} ms; green: defaults (SLO-aware admission), red: admission off"
+    )
+    bottom.bar(names, attainment, color=colors)
+    bottom.axhline(0.9, color="black", linewidth=0.8, linestyle="--")
+    bottom.set_ylabel("SLO met, of admitted")
+    bottom.set_ylim(0, 1)
+    plt.setp(bottom.get_xticklabels(), rotation=60, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step-ms", type=float, default=10.0, help="emulated step time, fixed part")
@@ -255,13 +283,17 @@ def main() -> int:
     p.add_argument("--low-load", type=float, default=0.5)
     p.add_argument("--duration-s", type=float, default=10.0, help="seconds of arrivals per run")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--sweep-seqs", type=int, nargs="+", default=[8, 16, 24, 32])
-    p.add_argument("--sweep-waiting", type=int, nargs="+", default=[4, 16, 64])
+    p.add_argument("--sweep-seqs", type=int, nargs="+", default=[8, 12, 16, 20, 24])
+    p.add_argument("--sweep-waiting", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--plot", help="write a PNG of goodput and attainment per configuration here")
     args = p.parse_args()
     figures = asyncio.run(main_async(args))
     print(json.dumps(figures, indent=2))
+    if args.plot:
+        plot(figures, args.plot)
+        print(f"wrote {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
         print(f"wrote {args.json}")

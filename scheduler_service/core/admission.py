@@ -20,10 +20,12 @@ end (the k-th shortest remainder); and once it decodes in a batch of B = min(S, 
 each step carries B decode tokens plus the prompts of the requests that replace the ones that
 end (B x prompt/output tokens per step, in steady state), so
 
-    mean TBT = base_s + per_token_s x (B + max(B x mean prompt / mean output, prompts pending))
+    mean TBT = base_s + per_token_s x B x (1 + mean prompt / mean output)
 
-where the prompts pending (admitted, not computed yet) land in the coming steps at once: a
-lump larger than the steady turnover slows those steps, which paces a ramp from an empty batch.
+plus, with requests running (L tokens left on average), per_token_s x the prompts pending
+(its own included) / L: they land in the next step. While a batch fills up (the recent steps
+carried more prompt tokens than that turnover) the prompts pending count as every step's
+load, base_s + per_token_s x (B + prompts pending), which paces the ramp.
 
 A request whose SLOs the estimate cannot meet is refused: admitting it would miss them and
 slow every request already admitted. The TBT rule is what bounds the batch: it derives the
@@ -53,6 +55,9 @@ class StepSpeed:
         return max(0, math.floor((tbt_s - self.base_s) / (self.per_token_s * (1.0 + prompt_per_output))))
 
 
+PREFILL_SMOOTHING = 0.3  # weight of the latest step in SpeedFit.prefill_per_step
+
+
 class SpeedFit:
     """A worker's StepSpeed, fitted by least squares over its last `window` steps (tokens,
     seconds). With fewer than `min_samples` steps the prior is scaled to what they took; with
@@ -65,10 +70,13 @@ class SpeedFit:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._fitted: StepSpeed | None = None
         self.overhead_s = 0.0  # mean seconds a step takes beyond the worker's own (the wire, the scheduler)
+        self.prefill_per_step = 0.0  # prompt tokens of the recent steps (moving average)
 
-    def add(self, tokens: int, seconds: float, seen_s: float | None = None) -> None:
-        """A step of `tokens` that the worker says took `seconds`; `seen_s`: how long it took
-        as the scheduler saw it (its overhead is averaged and added to every step)."""
+    def add(self, tokens: int, seconds: float, seen_s: float | None = None, prefill: int = 0) -> None:
+        """A step of `tokens` (`prefill` of them prompt tokens) that the worker says took
+        `seconds`; `seen_s`: how long it took as the scheduler saw it (its overhead is
+        averaged and added to every step)."""
+        self.prefill_per_step += PREFILL_SMOOTHING * (prefill - self.prefill_per_step)
         if tokens > 0 and seconds > 0 and math.isfinite(seconds):
             self._samples.append((tokens, seconds))
             self._fitted = None
@@ -122,6 +130,7 @@ class QueueView:
     # (tokens, seconds since it started) of each step sent and not answered yet, oldest first:
     # they run before any new plan
     in_flight: tuple[tuple[int, float], ...] = ()
+    recent_prefill: float = 0.0  # prompt tokens per step lately (SpeedFit.prefill_per_step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,11 +174,19 @@ def estimate(view: QueueView, prompt_tokens: int, output_tokens: int, speed: Ste
     )
     prompts = [*view.waiting_prompts, prompt_tokens]
     prompt_per_output = (sum(prompts) / len(prompts)) / mean_output
-    # NOTE: the prompts already pending are computed in the coming steps, beside the decodes
-    # (the new request's among them): a lump above the steady turnover makes those steps
-    # slower, so the larger of the two counts. This paces a ramp from an empty batch.
-    pending = view.running_prefill + sum(view.waiting_prompts)
-    tbt = speed.step_s(batch + max(batch * prompt_per_output, pending))
+    # NOTE: prompts come in lumps. The prompts pending now land in the next step: a running
+    # request's mean gap takes that lump spread over the tokens it has left (a lone lump at
+    # light load passes). While a batch fills up, though, every step carries the prompts
+    # admitted during the one before, above the steady turnover (the recent steps show it):
+    # then the lump counts as every step's, which paces the ramp.
+    turnover = batch * prompt_per_output
+    tbt = speed.step_s(batch + turnover)
+    if view.running_left:
+        left = sum(view.running_left) / len(view.running_left)
+        pending = view.running_prefill + sum(view.waiting_prompts)
+        tbt += speed.per_token_s * (pending + prompt_tokens) / max(1.0, left)
+        if view.recent_prefill > turnover:
+            tbt = max(tbt, speed.step_s(batch + max(turnover, pending)))
     return Estimate(ttft, tbt, batch)
 
 

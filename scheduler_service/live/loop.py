@@ -66,7 +66,7 @@ class LoopHost(Protocol):
 
     def worker_reset(self, worker_id: int) -> None: ...
 
-    def observe_step(self, worker_id: int, tokens: int, seconds: float, seen_s: float) -> None: ...
+    def observe_step(self, worker_id: int, plan: StepPlan, seconds: float, seen_s: float) -> None: ...
 
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class WorkerLoop:
         await live.deliver(out.tokens, now)
         live.settle()
         took = time.perf_counter() - started
-        live.observe_step(w, sum(plan.num_scheduled_tokens.values()), result.total_s, took)
+        live.observe_step(w, plan, result.total_s, took)
         self.step_log.append((len(plan.num_scheduled_tokens), took, result.total_s, shape))
 
     def in_flight_tokens(self) -> tuple[tuple[int, float], ...]:

@@ -38,7 +38,7 @@ class PipelineService(Protocol):
 
     def settle(self) -> None: ...
 
-    def observe_step(self, worker_id: int, tokens: int, seconds: float, seen_s: float) -> None: ...
+    def observe_step(self, worker_id: int, plan: StepPlan, seconds: float, seen_s: float) -> None: ...
 
 
 class PipelinedLoop(Protocol):
@@ -133,5 +133,5 @@ class StepPipeline:
         # applied) to its own answer applied; with the stream kept full this is the step period.
         visible = done - max(sent_at, self._last_answer)
         self._last_answer = done
-        live.observe_step(w, sum(plan.num_scheduled_tokens.values()), result.total_s, visible)
+        live.observe_step(w, plan, result.total_s, visible)
         loop.step_log.append((len(plan.num_scheduled_tokens), visible, result.total_s, shape))

@@ -65,6 +65,7 @@ from sluice.common.grpc_server import KEEPALIVE, Keepalive
 from sluice.common.predictor_client import PredictorClient
 from sluice.common.prom import ServingMetrics
 from sluice.common.security import ANONYMOUS, PLAINTEXT, ClientSecurity
+from sluice.contract.plan import StepPlan
 from sluice.contract.profile import BatchShape
 from sluice.contract.sampling import InvalidRequestError
 from sluice.v1 import generation_pb2
@@ -132,7 +133,9 @@ def prior_speed(cost_model: CostModel) -> StepSpeed:
     return StepSpeed(base, per_token)
 
 
-def queue_view(sched: Scheduler, in_flight: tuple[tuple[int, float], ...] = ()) -> QueueView:
+def queue_view(
+    sched: Scheduler, in_flight: tuple[tuple[int, float], ...] = (), recent_prefill: float = 0.0
+) -> QueueView:
     """What admission needs of one worker's queue (running, swapped and kept requests count as
     running: they hold seats); `in_flight`: (tokens, seconds running) of its steps not answered."""
     held = [*sched.running.values(), *sched.swapped.values(), *sched.kept.values()]
@@ -145,6 +148,7 @@ def queue_view(sched: Scheduler, in_flight: tuple[tuple[int, float], ...] = ()) 
         max_num_seqs=sched.config.max_num_seqs,
         token_budget=sched.config.max_num_batched_tokens,
         in_flight=in_flight,
+        recent_prefill=recent_prefill,
     )
 
 
@@ -430,9 +434,11 @@ class LiveScheduler:
             return None
 
         def admit(request: Request, worker: int) -> RejectReason | None:
-            view = queue_view(self.cluster.schedulers[worker], self.loops[worker].in_flight_tokens())
-            prompt, output = request.num_tokens_to_compute, request.remaining_output_estimate
             fit = self.speeds[worker]
+            view = queue_view(
+                self.cluster.schedulers[worker], self.loops[worker].in_flight_tokens(), fit.prefill_per_step
+            )
+            prompt, output = request.num_tokens_to_compute, request.remaining_output_estimate
             decision = decide_cold(view, fit) or decide(
                 estimate(view, prompt, output, fit.speed()), ttft_s, tbt_s, cfg.admission_headroom
             )
@@ -444,12 +450,14 @@ class LiveScheduler:
 
         return admit
 
-    def observe_step(self, worker_id: int, tokens: int, seconds: float, seen_s: float) -> None:
-        """A step's scheduled tokens, the seconds the worker says it took and how long it took
-        as seen here: the worker's measured speed that admission estimates with."""
+    def observe_step(self, worker_id: int, plan: StepPlan, seconds: float, seen_s: float) -> None:
+        """A step's plan, the seconds the worker says it took and how long it took as seen
+        here: the worker's measured speed (and recent prompt tokens) admission estimates with."""
         speed = self.speeds.get(worker_id)
         if speed is not None:
-            speed.add(tokens, seconds, seen_s)
+            counts = plan.num_scheduled_tokens.values()
+            tokens = sum(counts)
+            speed.add(tokens, seconds, seen_s, prefill=sum(n for n in counts if n > 1))
 
     async def _prompt_ids(self, msg: generation_pb2.GenerateRequest) -> list[int]:
         if msg.WhichOneof("prompt") != "text":

@@ -65,14 +65,16 @@ def test_the_speed_fit_recovers_the_step_line_and_keeps_the_prior_slope_when_ste
     assert alike.speed().base_s == pytest.approx(0.05)
 
 
-def test_prompts_already_pending_pace_admission_so_a_ramp_does_not_stall_the_running_batch() -> None:
+def test_a_batch_filling_up_is_paced_while_a_lone_lump_at_light_load_passes() -> None:
     running = (16,) * 6
-    alone = estimate(QueueView(running_left=running), 48, 16, SPEED)
-    behind = estimate(
-        QueueView(running_left=running, waiting_prompts=(48, 48), waiting_outputs=(16, 16)), 48, 16, SPEED
-    )
-    # 6 running + the new one: 7 x (1 + 3) tokens a step at steady turnover; two pending
-    # prompts (96 tokens) land in the coming steps at once, more than that turnover
-    assert alone.tbt_s == pytest.approx(0.010 + 0.002 * 28)
-    assert behind.tbt_s == pytest.approx(0.010 + 0.002 * (9 + 96))
-    assert decide(alone, None, 0.150).admit and not decide(behind, None, 0.150).admit
+    light = QueueView(running_left=running, waiting_prompts=(48, 48), waiting_outputs=(16, 16), recent_prefill=10)
+    lump = estimate(light, 48, 16, SPEED)
+    # batch 9 at turnover 9 x 3 prompt tokens a step, plus the 144 pending tokens over 16 left
+    assert lump.tbt_s == pytest.approx(0.010 + 0.002 * (9 + 27) + 0.002 * 144 / 16)
+    assert decide(lump, None, 0.150).admit
+    # the same lump while the batch fills up (the last steps carried 200 prompt tokens each,
+    # above the turnover): it counts as every step's load
+    ramping = QueueView(running_left=running, waiting_prompts=(48, 48), waiting_outputs=(16, 16), recent_prefill=200)
+    ramp = estimate(ramping, 48, 16, SPEED)
+    assert ramp.tbt_s == pytest.approx(0.010 + 0.002 * (9 + 96))
+    assert not decide(ramp, None, 0.150).admit
