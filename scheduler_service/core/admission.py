@@ -215,7 +215,7 @@ class Decision:
 
 
 ADMITTED = Decision(True, "")
-COLD_SEQS = 4  # requests a worker holds at most until it has run SpeedFit.min_samples steps
+COLD_SEQS = 8  # requests a worker holds at most until it has run SpeedFit.min_samples steps
 
 
 def decide_cold(view: QueueView, fit: SpeedFit) -> Decision | None:
