@@ -24,8 +24,9 @@ end (B x prompt/output tokens per step, in steady state), so
 
 plus, with requests running (L tokens left on average), per_token_s x the prompts pending
 (its own included) / L: they land in the next step. While a batch fills up (the recent steps
-carried more prompt tokens than that turnover) the prompts pending count as every step's
-load, base_s + per_token_s x (B + prompts pending), which paces the ramp.
+carried more prompt tokens than even a full batch's turnover, the largest batch the TBT SLO
+allows) the prompts pending count as every step's load, base_s + per_token_s x (B + prompts
+pending), which paces the ramp; the lone prompts of a light load do not.
 
 A request whose SLOs the estimate cannot meet is refused: admitting it would miss them and
 slow every request already admitted. The TBT rule is what bounds the batch: it derives the
@@ -140,11 +141,14 @@ class Estimate:
     batch: int  # the decode batch the request would run in
 
 
-def estimate(view: QueueView, prompt_tokens: int, output_tokens: int, speed: StepSpeed) -> Estimate:
+def estimate(
+    view: QueueView, prompt_tokens: int, output_tokens: int, speed: StepSpeed, tbt_s: float | None = None
+) -> Estimate:
     """TTFT and mean TBT of a new request placed behind `view`'s queue (module docstring).
     A step in flight that has already run longer than `speed` says it takes is evidence the
     worker is slower now (a speed fitted on too few steps, a busy machine): the estimate is
-    slowed down by that ratio."""
+    slowed down by that ratio. `tbt_s`: the TBT the batch is held to, whose largest batch's
+    turnover tells a filling batch from the lone prompts of a light load."""
     if view.in_flight:
         tokens, elapsed = view.in_flight[0]
         slowdown = elapsed / speed.step_s(tokens) if speed.step_s(tokens) > 0 else 1.0
@@ -185,7 +189,8 @@ def estimate(view: QueueView, prompt_tokens: int, output_tokens: int, speed: Ste
         left = sum(view.running_left) / len(view.running_left)
         pending = view.running_prefill + sum(view.waiting_prompts)
         tbt += speed.per_token_s * (pending + prompt_tokens) / max(1.0, left)
-        if view.recent_prefill > turnover:
+        full_turnover = speed.max_batch(tbt_s, prompt_per_output) * prompt_per_output if tbt_s else turnover
+        if view.recent_prefill > max(turnover, full_turnover):
             tbt = max(tbt, speed.step_s(batch + max(turnover, pending)))
     return Estimate(ttft, tbt, batch)
 

@@ -440,7 +440,10 @@ class LiveScheduler:
             )
             prompt, output = request.num_tokens_to_compute, request.remaining_output_estimate
             decision = decide_cold(view, fit) or decide(
-                estimate(view, prompt, output, fit.speed()), ttft_s, tbt_s, cfg.admission_headroom
+                estimate(view, prompt, output, fit.speed(), tbt_s and tbt_s * cfg.admission_headroom),
+                ttft_s,
+                tbt_s,
+                cfg.admission_headroom,
             )
             self.metrics.on_admission(request, decision, "slo")
             if decision.admit:

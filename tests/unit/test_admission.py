@@ -75,6 +75,10 @@ def test_a_batch_filling_up_is_paced_while_a_lone_lump_at_light_load_passes() ->
     # the same lump while the batch fills up (the last steps carried 200 prompt tokens each,
     # above the turnover): it counts as every step's load
     ramping = QueueView(running_left=running, waiting_prompts=(48, 48), waiting_outputs=(16, 16), recent_prefill=200)
-    ramp = estimate(ramping, 48, 16, SPEED)
+    ramp = estimate(ramping, 48, 16, SPEED, tbt_s=0.150)
     assert ramp.tbt_s == pytest.approx(0.010 + 0.002 * (9 + 96))
     assert not decide(ramp, None, 0.150).admit
+    # prompt tokens lately at light load (50 a step) stay below a full batch's turnover
+    # (the 150 ms TBT allows a batch of 17: 51 prompt tokens a step): no ramp
+    light_again = QueueView(running_left=running, waiting_prompts=(48, 48), waiting_outputs=(16, 16), recent_prefill=50)
+    assert estimate(light_again, 48, 16, SPEED, tbt_s=0.150).tbt_s == pytest.approx(lump.tbt_s)
