@@ -22,11 +22,12 @@ end (B x prompt/output tokens per step, in steady state), so
 
     mean TBT = base_s + per_token_s x B x (1 + mean prompt / mean output)
 
-plus, with requests running (L tokens left on average), per_token_s x the prompts pending
-(its own included) / L: they land in the next step. While a batch fills up (the recent steps
-carried more prompt tokens than even a full batch's turnover, the largest batch the TBT SLO
-allows) the prompts pending count as every step's load, base_s + per_token_s x (B + prompts
-pending), which paces the ramp; the lone prompts of a light load do not.
+plus, with requests running, per_token_s x the prompts pending (its own included) / mean
+output tokens: they land in the next step, one gap of each running request's mean. While a
+batch fills up (the recent steps carried more prompt tokens than even a full batch's
+turnover, the largest batch the TBT SLO allows) the prompts pending count as every step's
+load, base_s + per_token_s x (B + prompts pending), which paces the ramp; the lone prompts
+of a light load do not.
 
 A request whose SLOs the estimate cannot meet is refused: admitting it would miss them and
 slow every request already admitted. The TBT rule is what bounds the batch: it derives the
@@ -145,15 +146,11 @@ def estimate(
     view: QueueView, prompt_tokens: int, output_tokens: int, speed: StepSpeed, tbt_s: float | None = None
 ) -> Estimate:
     """TTFT and mean TBT of a new request placed behind `view`'s queue (module docstring).
-    A step in flight that has already run longer than `speed` says it takes is evidence the
-    worker is slower now (a speed fitted on too few steps, a busy machine): the estimate is
-    slowed down by that ratio. `tbt_s`: the TBT the batch is held to, whose largest batch's
-    turnover tells a filling batch from the lone prompts of a light load."""
-    if view.in_flight:
-        tokens, elapsed = view.in_flight[0]
-        slowdown = elapsed / speed.step_s(tokens) if speed.step_s(tokens) > 0 else 1.0
-        if slowdown > 1.0:
-            speed = StepSpeed(speed.base_s * slowdown, speed.per_token_s * slowdown)
+    `tbt_s`: the TBT the batch is held to, whose largest batch's turnover tells a filling batch
+    from the lone prompts of a light load.
+    NOTE: a step in flight that has run longer than the speed says is not taken as a slower
+    worker: on a shared machine one step held up by the OS made every estimate explode and
+    refused requests at light load; the speed fit follows a lasting change within steps."""
     running, waiting = len(view.running_left), len(view.waiting_prompts)
     seats = max(1, view.max_num_seqs)
     batch = min(seats, running + waiting + 1)
@@ -186,9 +183,10 @@ def estimate(
     turnover = batch * prompt_per_output
     tbt = speed.step_s(batch + turnover)
     if view.running_left:
-        left = sum(view.running_left) / len(view.running_left)
+        # NOTE: spread over a request's whole output (its mean gap is over all of them), not
+        # over what is left: one near its end barely notices a lump
         pending = view.running_prefill + sum(view.waiting_prompts)
-        tbt += speed.per_token_s * (pending + prompt_tokens) / max(1.0, left)
+        tbt += speed.per_token_s * (pending + prompt_tokens) / mean_output
         full_turnover = speed.max_batch(tbt_s, prompt_per_output) * prompt_per_output if tbt_s else turnover
         if view.recent_prefill > max(turnover, full_turnover):
             tbt = max(tbt, speed.step_s(batch + max(turnover, pending)))

@@ -69,7 +69,7 @@ def test_a_batch_filling_up_is_paced_while_a_lone_lump_at_light_load_passes() ->
     running = (16,) * 6
     light = QueueView(running_left=running, waiting_prompts=(48, 48), waiting_outputs=(16, 16), recent_prefill=10)
     lump = estimate(light, 48, 16, SPEED)
-    # batch 9 at turnover 9 x 3 prompt tokens a step, plus the 144 pending tokens over 16 left
+    # batch 9 at turnover 9 x 3 prompt tokens a step, plus the 144 pending tokens over 16 outputs
     assert lump.tbt_s == pytest.approx(0.010 + 0.002 * (9 + 27) + 0.002 * 144 / 16)
     assert decide(lump, None, 0.150).admit
     # the same lump while the batch fills up (the last steps carried 200 prompt tokens each,
