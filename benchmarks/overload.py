@@ -262,7 +262,9 @@ def plot(figures: dict[str, Any], path: str) -> None:
     top.set_title(
         f"{figures['overload']['rate_req_s']:g} req/s ({figures['capacity_req_s']:g} req/s capacity), "
         f"emulated step {figures['emulated_step']}, SLO TTFT {figures['slo_ms']['ttft']:g} ms / TBT "
-        f"{figures['slo_ms']['tbt']:g} ms; green: defaults (SLO-aware admission), red: admission off"
+        f"{figures['slo_ms']['tbt']:g} ms\ngreen: defaults (SLO-aware admission); red: admission off at the "
+        "default limits; grey: admission off, limits set by hand",
+        fontsize=9,
     )
     bottom.bar(names, attainment, color=colors)
     bottom.axhline(0.9, color="black", linewidth=0.8, linestyle="--")
