@@ -135,7 +135,7 @@ async def slo_admission(args: argparse.Namespace) -> dict[str, Any]:
         "default_goodput_vs_best_sweep": over["default_goodput_vs_best_sweep"],
         "admission_off_attainment": over["runs"]["no-admit"]["attainment_admitted"],
         "half_load_refused_with_admission": low["admission_slo"]["refused"],
-        "half_load_attainment": [
+        "half_load_attainment_slo_vs_off": [
             low["admission_slo"]["attainment_admitted"],
             low["admission_off"]["attainment_admitted"],
         ],
