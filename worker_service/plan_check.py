@@ -211,7 +211,11 @@ class StagedPlan:
         book, released, freed = self.book, self.released, self.freed_gpu
         holders, readonly = book.gpu_holders, book.readonly
         for b, claimers in self.new_gpu.items():
-            others = [h for h in holders.get(b, ()) if h not in claimers and h not in released and (b, h) not in freed]
+            others = [
+                h
+                for h in holders.get(b, ())
+                if h not in claimers and h not in released and (b, h) not in freed
+            ]
             if not others and len(claimers) == 1:
                 continue
             if all(claimers.values()) and (not others or b in readonly):
@@ -327,3 +331,4 @@ class StagedPlan:
         for rid in plan.sample_ids:
             if rid not in plan.num_scheduled_tokens:
                 raise StepPlanError("samples but is not scheduled", rid)
+
