@@ -18,6 +18,8 @@ runs small in tests/faults/.
                              crashes, answers other than OK / INVALID_ARGUMENT
     10x overload burst       SLO attainment of admitted requests vs the base load, refusals, memory
     refusals                 unauthenticated calls and a foreign client's Warmup / Release
+    10x overload, SLO admission   benchmarks/overload.py in one round: attainment and goodput of the
+                             defaults against a hand sweep of max_num_seqs x max_waiting; 0.5x load
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from fault_harness import (  # noqa: E402
     EchoWorker,
@@ -98,7 +101,45 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, Callable[[], Awaitabl
         ("fuzzing", lambda: fuzzing(args.fuzz_examples, args.seed)),
         ("10x overload burst", lambda: scenario_overload(args.capacity, factor=10, compare_unbounded=True)),
         ("refusals", lambda: scenario_refusals(args.refusals)),
+        ("10x overload, SLO admission", lambda: slo_admission(args)),
     ]
+
+
+async def slo_admission(args: argparse.Namespace) -> dict[str, Any]:
+    """benchmarks/overload.py, one round: the defaults (SLO-aware admission) against --admission
+    off and a small hand sweep of max_num_seqs x max_waiting, then half the load."""
+    from overload import main_async
+
+    options = argparse.Namespace(
+        step_ms=10.0,
+        token_ms=2.0,
+        ttft_ms=1000.0,
+        tbt_ms=200.0,
+        overload=10.0,
+        low_load=0.5,
+        duration_s=args.overload_s,
+        rounds=1,
+        sweep_seqs=[8, 16, 24],
+        sweep_waiting=[1, 4, 16],
+        seed=args.seed,
+    )
+    figures = await main_async(options)
+    over, low = figures["overload"], figures["low_load"]
+    return {
+        "capacity_req_s": figures["capacity_req_s"],
+        "rate_req_s": over["rate_req_s"],
+        "default_attainment_admitted": over["default_attainment"],
+        "default_goodput_req_s": over["runs"]["default"]["goodput_req_s"],
+        "best_sweep": over["best_sweep"],
+        "best_sweep_goodput_req_s": over["runs"][over["best_sweep"]]["goodput_req_s"],
+        "default_goodput_vs_best_sweep": over["default_goodput_vs_best_sweep"],
+        "admission_off_attainment": over["runs"]["no-admit"]["attainment_admitted"],
+        "half_load_refused_with_admission": low["admission_slo"]["refused"],
+        "half_load_attainment_slo_vs_off": [
+            low["admission_slo"]["attainment_admitted"],
+            low["admission_off"]["attainment_admitted"],
+        ],
+    }
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -125,6 +166,7 @@ def main() -> int:
     p.add_argument("--fuzz-examples", type=int, default=500, help="examples per message type")
     p.add_argument("--capacity", type=int, default=64, help="requests of the base load (the burst is 10x)")
     p.add_argument("--refusals", type=int, default=100)
+    p.add_argument("--overload-s", type=float, default=10.0, help="seconds of arrivals per SLO-admission run")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--only", action="append", help="run only this scenario (repeatable)")
     p.add_argument("--json", help="write the figures here")

@@ -25,6 +25,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from sluice.common.security import redact_url
+
 log = logging.getLogger("sluice.predictor")
 T = TypeVar("T")
 
@@ -94,6 +96,7 @@ class RedisGuard:
         on_recover: Callable[[], None] | None = None,
     ) -> None:
         self.url = url
+        self.where = redact_url(url)  # NOTE: what log lines show: the URL without its password
         self.timeout_s = timeout_s
         self.client = make_redis_client(url, timeout_s)
         self.breaker = breaker or CircuitBreaker()
@@ -115,10 +118,15 @@ class RedisGuard:
         except (TimeoutError, Exception) as exc:
             self._on_fail_open(op)
             if self.breaker.record_failure():
-                log.warning("redis at %s unavailable (%s: %s); serving from the in-process history", self.url, op, exc)
+                log.warning(
+                    "redis at %s unavailable (%s: %s); serving from the in-process history",
+                    self.where,
+                    op,
+                    redact_url(str(exc)),
+                )
             return None
         if self.breaker.record_success():
-            log.info("redis at %s is back", self.url)
+            log.info("redis at %s is back", self.where)
             self._on_recover()
         return result
 

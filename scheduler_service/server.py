@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -127,12 +128,13 @@ def _status(code: int, message: str, *details: object) -> grpc.Status:
     return rpc_status.to_status(status_pb2.Status(code=code, message=message, details=_packed(*details)))
 
 
-def queue_full_status(message: str, retry_after_s: float) -> grpc.Status:
+def queue_full_status(message: str, retry_after_s: float, reason: str = "QUEUE_FULL") -> grpc.Status:
     """RESOURCE_EXHAUSTED with RetryInfo and ErrorInfo details: gRPC itself answers
     RESOURCE_EXHAUSTED for oversized messages, so clients need the details to tell
-    backpressure (retry later) from a request that will never fit."""
+    backpressure (retry later) from a request that will never fit. `reason`: QUEUE_FULL, or
+    SLO_UNMEETABLE (admission: its SLOs would be missed under the load there is now)."""
     retry = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(nanos=int(retry_after_s * 1e9)))
-    info = error_details_pb2.ErrorInfo(reason="QUEUE_FULL", domain=ERROR_DOMAIN)
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN)
     return _status(code_pb2.RESOURCE_EXHAUSTED, message, retry, info)
 
 
@@ -146,6 +148,8 @@ def invalid_argument_status(exc: InvalidRequestError) -> grpc.Status:
 async def abort_rejected(context: grpc.aio.ServicerContext, exc: Rejected, retry_after_s: float) -> None:
     if exc.reason is RejectReason.QUEUE_FULL:
         await context.abort_with_status(queue_full_status(str(exc), retry_after_s))
+    if exc.reason is RejectReason.SLO_UNMEETABLE:
+        await context.abort_with_status(queue_full_status(str(exc), retry_after_s, "SLO_UNMEETABLE"))
     if exc.reason is RejectReason.NO_WORKER:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     if exc.reason in (RejectReason.DUPLICATE_ID, RejectReason.PROMPT_TOO_LONG, RejectReason.EXCEEDS_KV_CAPACITY):
@@ -160,6 +164,7 @@ _REJECTED_CODES: dict[str, int] = {
     RejectReason.NO_WORKER: code_pb2.UNAVAILABLE,
     RejectReason.QUEUE_FULL: code_pb2.RESOURCE_EXHAUSTED,
     RejectReason.UNSCHEDULABLE: code_pb2.RESOURCE_EXHAUSTED,
+    RejectReason.SLO_UNMEETABLE: code_pb2.RESOURCE_EXHAUSTED,
     RejectReason.PROMPT_TOO_LONG: code_pb2.INVALID_ARGUMENT,
     RejectReason.EXCEEDS_KV_CAPACITY: code_pb2.INVALID_ARGUMENT,
     RejectReason.DUPLICATE_ID: code_pb2.INVALID_ARGUMENT,
@@ -234,7 +239,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if not ended:
                 self.live.abort(rid, "client cancelled or deadline exceeded")
 
+    async def _require_started(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.live.started:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler is starting: {self.live.waiting_for}")
+
     async def _admit(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> RequestStream:
+        await self._require_started(context)
         header = dict(context.invocation_metadata() or ()).get(REQUEST_ID_KEY, "")
         try:
             if header and request.request_id and header != request.request_id:
@@ -271,6 +281,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def GetServerInfo(
         self, request: generation_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GetServerInfoResponse:
+        await self._require_started(context)
         live = self.live
         workers = [
             generation_pb2.WorkerDescription(
@@ -301,6 +312,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def GetStats(
         self, request: generation_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GetStatsResponse:
+        await self._require_started(context)
         live = self.live
         metrics = live.metrics
         workers = []
@@ -384,9 +396,19 @@ class SchedulerServer:
         health_port: int | None = None,
         keepalive: Keepalive = KEEPALIVE,
     ) -> SchedulerServer:
-        await live.start()
+        # NOTE: the port answers (health, and UNAVAILABLE naming what it waits for) before the
+        # workers are had: a restarted scheduler may wait for a lease, and says so. The name
+        # the workers' leases record is the host and this port, which no other live scheduler
+        # can bind meanwhile (grpc_server: SO_REUSEPORT off).
         server = build_server(live, port, host=host, security=security, health_port=health_port, keepalive=keepalive)
-        await server.start(ready=live.is_healthy)
+        await server.start(ready=False)
+        live.name = live.name or f"{socket.gethostname()}:{server.port}"
+        try:
+            await live.start()
+        except BaseException:
+            await server.stop(0.0, 0.0)
+            raise
+        await server.set_ready(live.is_healthy)
         return cls(live, server)
 
     async def stop(self, grace_s: float = 5.0, drain_s: float = 0.5) -> None:

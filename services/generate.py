@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from sluice.common.security import add_client_security_arguments, client_security_from
+from sluice.common.security import add_client_security_arguments, client_security_from, explain_unavailable
 
 DEFAULT_TARGET = os.environ.get("SLUICE_TARGET", "127.0.0.1:50051")
 
@@ -80,7 +80,10 @@ async def _generate(args: argparse.Namespace) -> int:
                         print(_summary(chunk), file=sys.stderr)
                     return 0 if chunk.finish_reason in ("stop", "length") else 1
         except grpc.aio.AioRpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            details = exc.details() or ""
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                details = explain_unavailable(details, client.security)
+            print(f"\nerror: {exc.code().name}: {details}", file=sys.stderr)
             return 2
     print("\nerror: the stream ended without a final message", file=sys.stderr)
     return 1

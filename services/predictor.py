@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sluice.common.config import add_config_arguments, config_from, opt
-from sluice.common.security import SecurityConfig, ServerSecurity
+from sluice.common.security import SecurityConfig, ServerSecurity, redact_url, setup_logging
 
 DEFAULT_PORT = 50071
 
@@ -202,7 +202,7 @@ async def _serve(args: argparse.Namespace) -> int:
     security = ServerSecurity.from_config(cfg)
     server = await start_server(engine, cfg.host, cfg.port, security=security, health_port=cfg.health_port)
     log = logging.getLogger("sluice.predictor")
-    provider, redis = engine.predictor.provider, cfg.redis_url or "none"
+    provider, redis = engine.predictor.provider, redact_url(cfg.redis_url or "none")
     log.info("predictor listening on %s:%d (provider %s, redis %s)", cfg.host, server.port, provider, redis)
     print(f"sluice predictor listening on {cfg.host}:{server.port}", flush=True)
     stop = asyncio.Event()
@@ -217,7 +217,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.INFO)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     commands = {"train": cmd_train, "export": cmd_export, "eval": cmd_eval}
     try:

@@ -49,6 +49,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import sys
@@ -56,13 +57,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 from urllib.parse import urlparse
 
 from scheduler_service.live.config import LiveConfig
 from services.affinity import child_cpus, parse_cpus, pin_self
 from sluice.common.config import add_config_arguments, config_from, opt, subset
-from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted, split_keys
+from sluice.common.security import (
+    ClientSecurity,
+    SecurityConfig,
+    ServerSecurity,
+    redacted,
+    setup_logging,
+    split_keys,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +96,11 @@ class SchedulerServiceConfig(LiveConfig, SecurityConfig):
     workers_dns_drop_after: int = opt(2, "a worker leaves after this many resolutions in a row without its address")
     metrics_port: int | None = opt(None, "serve Prometheus /metrics on this port")
     grace_s: float = opt(5.0, "seconds in-flight streams get to finish at shutdown")
-    worker_api_key: str | None = opt(None, "the API key the workers require; none: the first of api_key")
+    worker_api_key: str | None = opt(
+        None,
+        "the API key the workers require; none: `sluice serve` makes one per run (its children alone know it), "
+        "`sluice scheduler` uses the first of api_key",
+    )
 
     def live_config(self) -> LiveConfig:
         return subset(LiveConfig, self)
@@ -237,7 +250,24 @@ def worker_environment(cfg: ServeConfig) -> dict[str, str]:
     key = cfg.worker_key()
     if key:
         env["SLUICE_API_KEY"] = key  # NOTE: in the environment, not on a command line others can read
+    role = scheduler_role(cfg)
+    if role:
+        env["SLUICE_TLS_CLIENT_ROLES"] = role  # only certificates of our own role drive them
     return env
+
+
+def scheduler_role(cfg: ServeConfig) -> str | None:
+    """Under mutual TLS, the role (subject OU) of the certificate the scheduler dials its
+    children with: the only one they accept (a client's certificate, same CA, is refused)."""
+    if not (cfg.tls_cert and cfg.tls_ca):
+        return None
+    from sluice.common.certs import certificate_role
+
+    try:
+        with open(cfg.tls_cert, "rb") as f:
+            return certificate_role(f.read())
+    except (OSError, ValueError):
+        return None  # NOTE: ServerSecurity.from_config names an unreadable file
 
 
 async def spawn_worker(cfg: ServeConfig, worker_id: int, port: int = 0) -> WorkerProcess:
@@ -245,17 +275,38 @@ async def spawn_worker(cfg: ServeConfig, worker_id: int, port: int = 0) -> Worke
     return await spawn_process(cmd, worker_environment(cfg), worker_id, cpus=cfg.worker_cpu_set())
 
 
-def child_setup(niceness: int, idle: bool, cpus: frozenset[int] | None = None) -> Callable[[], None] | None:
-    """What a child runs before it starts: its niceness, SCHED_IDLE where the OS has it, and the
-    CPUs it is pinned to (parse_cpus has checked that the OS can pin and the CPUs are ours).
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int) -> None:
+    """In a child before exec: the kernel SIGKILLs it when `sluice serve` dies, however it dies
+    (SIGKILL, the OOM killer), so no worker or predictor is left holding its port and memory.
+    NOTE: PR_SET_PDEATHSIG fires when the thread that forked exits; asyncio forks from the event
+    loop's thread, which lives as long as `sluice serve` does. A parent that died before the
+    call is caught by the getppid check. Elsewhere than Linux this does nothing (stop_workers
+    still ends the children on every orderly exit)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def child_setup(niceness: int, idle: bool, cpus: frozenset[int] | None = None) -> Callable[[], None]:
+    """What a child runs before it starts: death with its parent (die_with_parent), its niceness,
+    SCHED_IDLE where the OS has it, and the CPUs it is pinned to (parse_cpus has checked that the
+    OS can pin and the CPUs are ours).
     NOTE: a niceness of 10 still leaves the predictor about a tenth of a contended core, taken at
     the moment a request arrives, which is when its prefill needs the core; an idle-class process
     runs only on a core nothing else wants (its answers are never awaited, only later)."""
     idle = idle and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
-    if not niceness and not idle and not cpus:
-        return None
+    parent = os.getpid()
 
     def apply() -> None:
+        die_with_parent(parent)
         if cpus:
             os.sched_setaffinity(0, cpus)  # inherited across exec, by every thread the child starts
         if niceness:
@@ -291,14 +342,21 @@ GATEWAY_ID = -2
 _CHILD_NAMES = {PREDICTOR_ID: "predictor", GATEWAY_ID: "gateway"}
 
 
-def predictor_command(cfg: ServeConfig) -> list[str]:
-    cmd = [sys.executable, "-m", "services.cli", "predictor", "serve", "--host", cfg.worker_host, "--port", "0"]
-    if cfg.redis_url and redis_answers(cfg.redis_url):
-        cmd += ["--redis-url", cfg.redis_url]
+def predictor_command(cfg: ServeConfig, port: int = 0) -> list[str]:
+    cmd = [sys.executable, "-m", "services.cli", "predictor", "serve", "--host", cfg.worker_host, "--port", str(port)]
     for flag, path in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key), ("--tls-ca", cfg.tls_ca)):
         if path:
             cmd += [flag, path]
     return cmd
+
+
+def predictor_environment(cfg: ServeConfig) -> dict[str, str]:
+    """The workers' environment plus the Redis URL: it may hold a password, so it goes in the
+    environment (readable by its owner only), never on the command line `ps` shows anyone."""
+    env = worker_environment(cfg)
+    if cfg.redis_url and redis_answers(cfg.redis_url):
+        env["SLUICE_REDIS_URL"] = cfg.redis_url
+    return env
 
 
 def redis_answers(url: str, timeout_s: float = 0.2) -> bool:
@@ -312,21 +370,25 @@ def redis_answers(url: str, timeout_s: float = 0.2) -> bool:
         return False
 
 
-async def start_predictor(cfg: ServeConfig) -> WorkerProcess | None:
-    """The length predictor beside the workers (its committed model; the encoder is exported
-    into the cache at first use), unless one is named or it is turned off."""
-    if not cfg.start_predictor or cfg.predictor:
-        return None
+async def spawn_predictor(cfg: ServeConfig, port: int = 0) -> WorkerProcess:
     # NOTE: `sluice predictor serve` runs one onnxruntime thread by default, one core whether
     # pinned or not, so predictor_cpus needs no thread count of its own
-    child = await spawn_process(
-        predictor_command(cfg),
-        worker_environment(cfg),
+    return await spawn_process(
+        predictor_command(cfg, port),
+        predictor_environment(cfg),
         PREDICTOR_ID,
         cfg.predictor_niceness,
         cfg.predictor_idle,
         cpus=cfg.predictor_cpu_set(),
     )
+
+
+async def start_predictor(cfg: ServeConfig) -> WorkerProcess | None:
+    """The length predictor beside the workers (its committed model; the encoder is exported
+    into the cache at first use), unless one is named or it is turned off."""
+    if not cfg.start_predictor or cfg.predictor:
+        return None
+    child = await spawn_predictor(cfg)
     try:
         await _ready(child, cfg)
     except BaseException:
@@ -451,51 +513,69 @@ async def stop_workers(workers: Sequence[WorkerProcess], timeout_s: float = 10.0
 
 
 class Supervisor:
-    """Keeps `sluice serve`'s workers running.
+    """Keeps `sluice serve`'s children running: the workers and the length predictor.
 
-    An exit is logged with its code and the tail of the worker's stderr; the worker starts again
+    An exit is logged with its code and the tail of the child's stderr; the child starts again
     after a backoff (restart_min_s doubling to restart_max_s; back to the minimum after a minute
-    of uptime) on the port it had, where the scheduler's reconnect loop dials it and takes a new
-    lease. When that port cannot be had the worker starts on a free one and `on_address`
-    (the scheduler's `readdress`) is told."""
+    of uptime) on the port it had, where the scheduler's reconnect loop dials a worker and takes
+    a new lease, and its predictor client reconnects. When that port cannot be had the child
+    starts on a free one and `on_address` (the scheduler's `readdress`) or `on_predictor_address`
+    is told. `on_predictor_health` hears the predictor go down and come back (readiness)."""
 
-    def __init__(self, cfg: ServeConfig, workers: list[WorkerProcess]) -> None:
+    def __init__(self, cfg: ServeConfig, workers: list[WorkerProcess], predictor: WorkerProcess | None = None) -> None:
         self.cfg = cfg
         self.workers = workers
+        self.predictor = predictor
         self.on_address: Callable[[int, str], None] | None = None
-        self.num_restarts = 0
+        self.on_predictor_address: Callable[[str], None] | None = None
+        self.on_predictor_health: Callable[[bool], None] | None = None
+        self.num_restarts = 0  # of workers
+        self.num_predictor_restarts = 0
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._watch(w.worker_id)) for w in self.workers]
+        if self.predictor is not None:
+            self._tasks.append(asyncio.create_task(self._watch(PREDICTOR_ID)))
 
     async def stop(self) -> None:
         self._stopping = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await stop_workers(self.workers)
+        await stop_workers([*self.workers, *([self.predictor] if self.predictor is not None else [])])
 
-    async def _watch(self, worker_id: int) -> None:
+    def _child(self, child_id: int) -> WorkerProcess:
+        if child_id == PREDICTOR_ID:
+            assert self.predictor is not None
+            return self.predictor
+        return self.workers[child_id]
+
+    async def _watch(self, child_id: int) -> None:
         delay = self.cfg.restart_min_s
         while not self._stopping:
-            worker = self.workers[worker_id]
-            code = await worker.proc.wait()
+            child = self._child(child_id)
+            code = await child.proc.wait()
             if self._stopping:
                 return
-            uptime = time.monotonic() - worker.started_at
+            if child_id == PREDICTOR_ID and self.on_predictor_health is not None:
+                self.on_predictor_health(False)
+            uptime = time.monotonic() - child.started_at
             delay = self.cfg.restart_min_s if uptime >= HEALTHY_UPTIME_S else delay
-            tail = "\n    ".join(worker.stderr_tail) or "(nothing)"
+            tail = "\n    ".join(child.stderr_tail) or "(nothing)"
             log.error(
-                "worker %d (%s) exited with code %s after %.1f s; restarting in %.1f s; last stderr lines:\n    %s",
-                worker_id, worker.address, code, uptime, delay, tail,
+                "%s (%s) exited with code %s after %.1f s; restarting in %.1f s; last stderr lines:\n    %s",
+                child.name, child.address, code, uptime, delay, tail,
             )  # fmt: skip
-            for task in worker._drains:
+            for task in child._drains:
                 task.cancel()
             await asyncio.sleep(delay)
             delay = min(2 * delay, self.cfg.restart_max_s)
-            await self._restart(worker)
+            if child_id == PREDICTOR_ID:
+                await self._restart_predictor(child)
+            else:
+                await self._restart(child)
 
     async def _restart(self, old: WorkerProcess) -> None:
         for port in dict.fromkeys((old.port, 0)):
@@ -508,8 +588,27 @@ class Supervisor:
                 continue
             self.num_restarts += 1
             log.warning("worker %d restarted at %s (pid %d)", old.worker_id, worker.address, worker.proc.pid)
-            if worker.address != old.address and self.on_address is not None:
+            if self.on_address is not None:
+                # NOTE: at once, so the scheduler dials it now (its backoff may be seconds long);
+                # nobody else can take it meanwhile: the workers' key is this run's own
                 self.on_address(old.worker_id, worker.address)
+            return
+
+    async def _restart_predictor(self, old: WorkerProcess) -> None:
+        for port in dict.fromkeys((old.port, 0)):
+            child = await spawn_predictor(self.cfg, port)
+            self.predictor = child
+            try:
+                await _ready(child, self.cfg)
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                log.error("the predictor did not come back on port %d: %s", port, exc)
+                continue
+            self.num_predictor_restarts += 1
+            log.warning("predictor restarted at %s (pid %d)", child.address, child.proc.pid)
+            if child.address != old.address and self.on_predictor_address is not None:
+                self.on_predictor_address(child.address)
+            if self.on_predictor_health is not None:
+                self.on_predictor_health(True)
             return
 
 
@@ -590,16 +689,20 @@ async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
     roles = worker_roles(cfg)
     split = "" if roles[0] == "mixed" else f" ({cfg.prefill_workers} prefill, {cfg.decode_workers} decode)"
     print(f"starting {len(roles)} {cfg.model} workers{split} on {cfg.device} ...", flush=True)
+    cfg.worker_api_key = cfg.worker_api_key or private_worker_key()
     supervisor = Supervisor(cfg, await start_workers(cfg))
-    predictor = None
     try:
-        predictor = await start_predictor(cfg)
-        if predictor is not None:
-            cfg.predictor = predictor.address
-            print(f"sluice length predictor at {predictor.address}", flush=True)
+        supervisor.predictor = await start_predictor(cfg)
+        if supervisor.predictor is not None:
+            cfg.predictor = supervisor.predictor.address
+            print(f"sluice length predictor at {cfg.predictor}", flush=True)
         pin_self(cfg.scheduler_cpu_set())
         server = await start_scheduler(cfg, [w.address for w in supervisor.workers])
         supervisor.on_address = server.live.readdress
+        supervisor.on_predictor_address = server.live.readdress_predictor
+        supervisor.on_predictor_health = partial(_predictor_health, server)
+        if supervisor.predictor is not None:
+            _predictor_health(server, True)
         supervisor.start()
         gateway = None
         try:
@@ -621,9 +724,29 @@ async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
             await server.stop(cfg.grace_s)
     finally:
         await supervisor.stop()
-        if predictor is not None:
-            await stop_workers([predictor])
     return 0
+
+
+PREDICTOR_HEALTH = "sluice.v1.PredictorService"  # its status on the scheduler's health service
+
+
+def _predictor_health(server: Any, up: bool) -> None:
+    """The predictor's state as a named status of the scheduler's standard health (readiness of
+    the whole stays the workers': requests fall back to max_tokens while it is away)."""
+    from sluice.common.grpc_server import NOT_SERVING, SERVING
+
+    task = asyncio.ensure_future(server.health.set(PREDICTOR_HEALTH, SERVING if up else NOT_SERVING))
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
+_BACKGROUND: set[asyncio.Future] = set()
+
+
+def private_worker_key() -> str:
+    """A key only this `sluice serve` run and its children know (they get it in their
+    environment): its workers and predictor refuse every other caller, client keys included."""
+    return secrets.token_urlsafe(32)
 
 
 async def serve_scheduler(cfg: SchedulerServiceConfig) -> int:
@@ -780,29 +903,45 @@ def add_serve_arguments(p: argparse.ArgumentParser, *, workers: bool) -> None:
 
 
 def _logging() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.WARNING)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     _logging()
     cfg = config_from(ServeConfig, args, file=args.config, exclude=SERVE_EXCLUDES)
     try:
-        worker_roles(cfg)
-        cfg.worker_cpu_set()  # a bad CPU list fails here, before anything starts
-        cfg.predictor_cpu_set()
-        cfg.scheduler_cpu_set()
+        check_serve_config(cfg)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     demo = DemoOptions(num_requests=args.demo_requests) if args.demo else None
     return asyncio.run(serve(cfg, demo))
 
 
+def check_serve_config(cfg: ServeConfig) -> None:
+    """Every option, before a child starts (ValueError naming it): the workers' split and CPU
+    lists, the scheduler's options (policy and router options included), the TLS files."""
+    from scheduler_service.live.validate import check_live_config
+
+    worker_roles(cfg)
+    cfg.worker_cpu_set()
+    cfg.predictor_cpu_set()
+    cfg.scheduler_cpu_set()
+    check_live_config(cfg.live_config())
+    ServerSecurity.from_config(cfg)
+    for name in ("restart_min_s", "restart_max_s", "worker_start_timeout_s", "grace_s"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name}: must be > 0, got {getattr(cfg, name)!r}")
+    if cfg.num_gpu_blocks is not None and cfg.num_gpu_blocks < 1:
+        raise ValueError(f"num_gpu_blocks: must be >= 1 (or none), got {cfg.num_gpu_blocks!r}")
+
+
 def cmd_scheduler(args: argparse.Namespace) -> int:
     from scheduler_service.live.discovery import NoWorkerFound
+    from scheduler_service.live.remote import WorkerLost
 
     _logging()
     try:
         return asyncio.run(serve_scheduler(config_from(SchedulerServiceConfig, args, file=args.config)))
-    except NoWorkerFound as exc:  # an orchestrator restarts us; the line says what was waited for
+    except (NoWorkerFound, WorkerLost) as exc:  # an orchestrator restarts us; the line says what was waited for
         print(f"error: {exc}", file=sys.stderr)
         return 1

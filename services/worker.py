@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from sluice.common.config import add_config_arguments, config_from, opt, subset
-from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted
+from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted, setup_logging
 from worker_service.engine_contract import EngineConfig
 from worker_service.lease import DEFAULT_LEASE_TTL_S
 from worker_service.server import WarmupDefaults, WorkerServerOptions, role_value
@@ -38,6 +38,7 @@ class WorkerConfig(SecurityConfig, WarmupDefaults, EngineConfig):
         "torch", "torch: our model code; vllm: vLLM's model runner; echo (or none): synthetic tokens, no model"
     )
     echo_step_ms: float = opt(0.0, "with --engine echo: sleep this long per step")
+    echo_token_ms: float = opt(0.0, "with --engine echo: and this long per token the step schedules")
     echo_async_device: bool = opt(
         False, "with --echo-step-ms: the step's time is awaited off the CPU, as a GPU's kernels run (not slept)"
     )
@@ -65,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from(WorkerConfig, args, file=args.config)
     if cfg.worker_pipeline not in ("auto", "on", "off"):
         raise SystemExit(f"error: --worker-pipeline must be auto, on or off, got {cfg.worker_pipeline!r}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.INFO)
     if cfg.threads:
         # NOTE: on a CPU shared with other processes, fewer OpenMP threads than cores avoids
         # barrier stalls that made the same steps up to 40x slower (docs/results/worker_engine.md).
@@ -73,7 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("sluice.worker").info("worker config: %s", redacted(asdict(cfg)))
     options: dict[str, Any] = {}
     if cfg.engine in ("echo", "none"):
-        options = {"step_time_s": cfg.echo_step_ms / 1e3, "async_device": cfg.echo_async_device}
+        options = {
+            "step_time_s": cfg.echo_step_ms / 1e3,
+            "async_device": cfg.echo_async_device,
+            "token_time_s": cfg.echo_token_ms / 1e3,
+        }
     try:
         factory = engine_factory(cfg.engine, **options)
     except ValueError as exc:

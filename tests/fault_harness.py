@@ -104,14 +104,23 @@ class WorkerProcess:
 
 
 async def spawn_worker_process(
-    worker_id: int = 0, *, port: int = 0, step_ms: float = 0.0, extra: Sequence[str] = ()
+    worker_id: int = 0,
+    *,
+    port: int = 0,
+    step_ms: float = 0.0,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> WorkerProcess:
-    """A `sluice worker --engine echo` process on loopback; returns once it listens."""
+    """A `sluice worker --engine echo` process on loopback; returns once it listens. `env`:
+    variables added to its environment (e.g. SLUICE_API_KEY, as `sluice serve` passes it)."""
     cmd = [sys.executable, "-m", "services.cli", "worker", "--engine", "echo", "--model", "tiny-llama"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--worker-id", str(worker_id), "--threads", "1"]
     cmd += ["--echo-step-ms", str(step_ms), *extra]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_DATA_DIR"}
-    process = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_DATA_DIR"}
+    environment.update(env or {})
+    process = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environment, text=True
+    )
     line = await asyncio.to_thread(_read_listening, process)
     return WorkerProcess(process, line)
 

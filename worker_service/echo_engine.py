@@ -63,13 +63,18 @@ class EchoEngine:
 
     cache = None  # no KV: transfers are refused
 
-    def __init__(self, config: EngineConfig, step_time_s: float = 0.0, async_device: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig, step_time_s: float = 0.0, async_device: bool = False, token_time_s: float = 0.0
+    ) -> None:
+        """`step_time_s` + `token_time_s` x the tokens a step schedules: its emulated device time
+        (a step's cost grows with its batch, as a model's does; the overload benchmark's speed)."""
         self.config = config
         self.model_config = resolve_config(config.model)
         c = self.model_config
         self.max_model_len = config.max_model_len or c.max_position_embeddings
         self.spec = EchoSpec(bytes_per_block=2 * c.num_layers * c.num_kv_heads * c.head_dim * config.block_size * 2)
         self.step_time_s = step_time_s
+        self.token_time_s = token_time_s  # NOTE: slept with the step (not with async_device)
         self.async_device_s = step_time_s if async_device else 0.0
         self._device_free = 0.0  # perf_counter when the emulated device finishes what is queued
         self.book = PlanBook(config.block_size, self.max_model_len, c.vocab_size)
@@ -151,8 +156,8 @@ class EchoEngine:
         if self.async_device_s:
             begin = max(time.perf_counter(), self._device_free)
             device_end = self._device_free = begin + self.async_device_s
-        elif self.step_time_s:
-            time.sleep(self.step_time_s)
+        elif device_s := self.step_time_s + self.token_time_s * sum(plan.num_scheduled_tokens.values()):
+            time.sleep(device_s)
         return EchoLaunched(plan.step_id, start, sampled, staged.moved_blocks * self.spec.bytes_per_block, device_end)
 
     def collect(self, launched: EchoLaunched) -> StepResult:

@@ -1,7 +1,8 @@
 """A worker serves one scheduler: the lease taken at Warmup.
 
-    Warmup     Lease.grant(presented session, now)
-                 no live lease, or the caller presents the live session -> a new session id
+    Warmup     Lease.grant(presented session, scheduler name)
+                 no live lease, the caller presents the live session, or names the scheduler that
+                 holds it (that scheduler restarted) -> a new session id
                  (the worker's state is wiped by that Warmup, so older streams end)
                  another caller while the lease is live -> LeaseError FAILED_PRECONDITION
     Execute    Lease.check(presented) at the stream's start and for every step; Lease.renew
@@ -23,16 +24,27 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 SESSION_KEY = "x-sluice-session"
+HOLDER_KEY = "x-sluice-scheduler"  # the scheduler's name (host:port it serves on), sent with Warmup
+LEASE_LEFT_KEY = "x-sluice-lease-left-s"  # trailing metadata of a refused Warmup: seconds until it lapses
 DEFAULT_LEASE_TTL_S = 20.0
 
 
 class LeaseError(Exception):
-    """A call refused by the lease; `code` is the gRPC status name to answer with."""
+    """A call refused by the lease; `code` is the gRPC status name to answer with; `left_s`
+    (a refused Warmup) how long the lease lives if its holder does not call again."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, left_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.left_s = left_s
+
+
+def holder_of(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key == HOLDER_KEY:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return None
 
 
 def session_of(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
@@ -49,6 +61,7 @@ class Lease:
         self.ttl_s = ttl_s
         self.clock = clock
         self.session: str | None = None
+        self.holder: str | None = None  # the name the lease's scheduler gave (HOLDER_KEY), if any
         self.renewed_at = 0.0
         self.num_grants = 0
         self.num_refused = 0
@@ -56,17 +69,24 @@ class Lease:
     def live(self) -> bool:
         return self.session is not None and self.clock() - self.renewed_at < self.ttl_s
 
-    def grant(self, presented: str | None) -> str:
-        """A new session for the caller of Warmup, or LeaseError when another holds the lease."""
-        if self.live() and presented != self.session:
+    def grant(self, presented: str | None, holder: str | None = None) -> str:
+        """A new session for the caller of Warmup, or LeaseError when another holds the lease.
+
+        A caller naming the same scheduler as the live lease's holder takes it over at once: it
+        is that scheduler restarted (a name is the host and port a scheduler serves on, which no
+        two live schedulers share), so the old lease's holder is provably gone."""
+        if self.live() and presented != self.session and not (holder and holder == self.holder):
             self.num_refused += 1
             left = self.ttl_s - (self.clock() - self.renewed_at)
+            who = f"scheduler {self.holder}" if self.holder else "another scheduler"
             raise LeaseError(
                 "FAILED_PRECONDITION",
-                f"the worker is leased to another scheduler (x-sluice-session); the lease lapses "
-                f"{left:.1f} s after its holder's last call (lease_ttl_s {self.ttl_s:g})",
+                f"the worker is leased to {who}; the lease lapses in {left:.1f} s unless renewed "
+                f"(lease_ttl_s {self.ttl_s:g} after its holder's last call)",
+                left_s=left,
             )
         self.session = secrets.token_urlsafe(24)
+        self.holder = holder
         self.renewed_at = self.clock()
         self.num_grants += 1
         return self.session

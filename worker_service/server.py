@@ -66,7 +66,7 @@ from worker_service.engine_contract import Engine, EngineConfig
 from worker_service.engines import engine_class
 from worker_service.finished_filter import FinishedFilter
 from worker_service.kv_transfer import KVTransferHandler, TransferRefused, add_read_kv_handler, token_of
-from worker_service.lease import DEFAULT_LEASE_TTL_S, Lease, LeaseError, session_of
+from worker_service.lease import DEFAULT_LEASE_TTL_S, LEASE_LEFT_KEY, Lease, LeaseError, holder_of, session_of
 from worker_service.plan_check import StepPlanError
 from worker_service.step_pipeline import EnginePipeline, void_step
 from worker_service.step_reader import Incoming, StepReader
@@ -454,11 +454,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         engine = self.runner.engine
         try:
             params = warmup_params(request, self.defaults, engine.info.max_model_len, await self._memory_limits())
-            session = self.lease.grant(session_of(context.invocation_metadata()))
+            metadata = context.invocation_metadata()
+            session = self.lease.grant(session_of(metadata), holder_of(metadata))
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except LeaseError as exc:
             self._count_refusal()
+            if exc.left_s is not None:
+                context.set_trailing_metadata(((LEASE_LEFT_KEY, f"{exc.left_s:.3f}"),))
             await context.abort(grpc.StatusCode[exc.code], exc.message)
         if engine.num_requests:
             # NOTE: the lease holder warming up again (after its stream broke) starts from a

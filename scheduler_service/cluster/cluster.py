@@ -35,6 +35,9 @@ from scheduler_service.core.scheduler import Scheduler, StepOutputs
 from scheduler_service.routers import Router, WorkerLoad
 from sluice.contract.plan import KVTransfer, KVTransferResult, StepPlan, StepResult
 
+# Asked about the worker the router chose for a new request: None admits, a reason refuses.
+Admission = Callable[[Request, int], RejectReason | None]
+
 
 class Cluster:
     def __init__(
@@ -54,12 +57,20 @@ class Cluster:
         self._router = router
         self._timer = timer
         self._ended: list[Request] = []
+        self._admit: Admission | None = None  # set during submit()
 
     # ------------------------------------------------------------------ intake
-    def submit(self, request: Request, now: float) -> RejectReason | None:
-        """Places a new request (or holds it in the router's pool); a reason when refused."""
+    def submit(self, request: Request, now: float, admit: Admission | None = None) -> RejectReason | None:
+        """Places a new request (or holds it in the router's pool); a reason when refused.
+        `admit` (the live scheduler's SLO-aware admission) is asked about the worker the router
+        chose before the request is placed there, and may refuse it (not for disaggregated
+        clusters, whose placement is two-staged)."""
         self.spec.length_source.assign(request)
-        return self._route(request, now)
+        self._admit = admit
+        try:
+            return self._route(request, now)
+        finally:
+            self._admit = None
 
     def release_held(self, now: float) -> None:
         for request, worker in self._router.release(self.loads(), now):
@@ -266,6 +277,9 @@ class Cluster:
                 return self._reject(request, RejectReason.NO_WORKER, now)
             self._router.held.append(request)
             return None
+        if self._admit is not None and (refused := self._admit(request, worker)) is not None:
+            router.on_request_left(request, worker, now)
+            return self._reject(request, refused, now)
         return self._place(request, worker, now)
 
     def _place(self, request: Request, worker: int, now: float) -> RejectReason | None:

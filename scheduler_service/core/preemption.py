@@ -27,3 +27,4 @@ class RejectReason(StrEnum):
     EXCEEDS_KV_CAPACITY = "exceeds_kv_capacity"  # the prompt alone needs more blocks than the worker has
     NO_WORKER = "no_worker"
     UNSCHEDULABLE = "unschedulable"  # no policy step could ever place it
+    SLO_UNMEETABLE = "slo_unmeetable"  # admission: the queue and the workers' speed say its SLOs will be missed

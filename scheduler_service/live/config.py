@@ -24,7 +24,7 @@ class LiveConfig:
         256, "max_tokens of a request that sets none (capped by the context left; GetServerInfo advertises it)"
     )
     max_prompt_bytes: int | None = opt(
-        None, "largest text prompt in bytes, checked before tokenizing; none: 32 per token of max_model_len"
+        None, "largest text prompt in bytes, checked before tokenizing; none: 32 per token of the longest prompt served"
     )
     queue_timeout_s: float | None = opt(None, "a request not admitted within this many seconds ends as timed out")
     predictor: str | None = opt(
@@ -47,6 +47,14 @@ class LiveConfig:
     transfer_blocks_per_chunk: int = opt(0, "disaggregated: KV blocks per streamed chunk; 0: the worker picks (~4 MiB)")
     int8_transfer: bool = opt(False, "disaggregated: int8-compress the KV moved between workers (where supported)")
     retry_after_s: float = opt(0.5, "the RetryInfo delay given with RESOURCE_EXHAUSTED")
+    admission: str = opt(
+        "slo",
+        "slo: refuse (RESOURCE_EXHAUSTED) an online request whose TTFT or TBT SLO the queue and the workers' "
+        "measured speed say cannot be met (scheduler_service/core/admission.py); off: admit up to max_waiting",
+    )
+    # NOTE: measured steps vary (the scheduler's own work, other processes on the cores): an
+    # estimate right at the SLO is met about half the time, so it must fit with room to spare.
+    admission_headroom: float = opt(0.75, "admission: the estimate must fit within this share of each SLO")
     step_timeout_s: float = opt(30.0, "a worker that takes longer for one step is treated as lost")
     connect_timeout_s: float = opt(60.0, "seconds for Info + Warmup of one worker")
     probe_interval_s: float = opt(

@@ -60,7 +60,7 @@ class Limits:
     vocab_size: int
     default_max_tokens: int
     eos_token_ids: frozenset[int]
-    max_prompt_bytes: int = 0  # 0: PROMPT_BYTES_PER_TOKEN x max_model_len
+    max_prompt_bytes: int = 0  # 0: PROMPT_BYTES_PER_TOKEN x the longest prompt served
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -69,7 +69,10 @@ class Limits:
 
     @property
     def prompt_bytes(self) -> int:
-        return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_model_len
+        """The longest text prompt in bytes: the configured one, else 32 bytes per token of the
+        longest prompt served, which a worker's KV cache bounds as well as the context (a
+        128k-context model on 512 blocks of 16 served 4 MiB texts that could never fit)."""
+        return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * (self.max_prompt_tokens + 1)
 
 
 def check_id(value: str, name: str) -> None:

@@ -66,6 +66,8 @@ class LoopHost(Protocol):
 
     def worker_reset(self, worker_id: int) -> None: ...
 
+    def observe_step(self, worker_id: int, plan: StepPlan, seconds: float, seen_s: float) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,8 @@ class WorkerLoop:
         self.capacity = capacity
         self.worker_id = remote.worker_id
         self.wake = asyncio.Event()
+        self.redial = asyncio.Event()  # set: a reconnect dials now (the worker was restarted)
+        self._stepping: tuple[StepPlan, float] | None = None  # the plan `_step` awaits, and since when
         self.connected = True
         self.num_steps = 0
         self.num_resyncs = 0  # sessions re-established without the worker counting as down
@@ -180,14 +184,29 @@ class WorkerLoop:
             await self._sleep()
             return
         shape = self.note_scheduled(plan)
-        result = await self.remote.execute(plan)
+        self._stepping = (plan, time.perf_counter())
+        try:
+            result = await self.remote.execute(plan)
+        finally:
+            self._stepping = None
         now = live.clock()
         self.on_contact(now)
         out = cluster.complete_step(w, result, now)
         self.num_steps += 1
         await live.deliver(out.tokens, now)
         live.settle()
-        self.step_log.append((len(plan.num_scheduled_tokens), time.perf_counter() - started, result.total_s, shape))
+        took = time.perf_counter() - started
+        live.observe_step(w, plan, result.total_s, took)
+        self.step_log.append((len(plan.num_scheduled_tokens), took, result.total_s, shape))
+
+    def in_flight_tokens(self) -> tuple[tuple[int, float], ...]:
+        """(scheduled tokens, seconds since it could start) of each step sent and not answered,
+        oldest first (admission's estimate); a step planned ahead has not started (0 s)."""
+        now = time.perf_counter()
+        if self._stepping is not None:
+            plan, since = self._stepping
+            return ((sum(plan.num_scheduled_tokens.values()), now - since),)
+        return self.pipeline.in_flight(now)
 
     def note_scheduled(self, plan: StepPlan) -> BatchShape | None:
         """Metrics of a plan about to be sent; its BatchShape when the step log keeps them."""
@@ -275,11 +294,16 @@ class WorkerLoop:
         return False
 
     async def _reconnect(self) -> None:
-        await asyncio.sleep(self._backoff_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.redial.wait(), self._backoff_s)  # readdress cuts the backoff short
+        self.redial.clear()
         cfg = self.live.config
         try:
             back = await self.remote.connect(self._warmup_options(), min(cfg.connect_timeout_s, 5.0), wait=False)
         except WorkerLost as exc:
+            if exc.code == "FAILED_PRECONDITION" and str(exc) != self.last_error:
+                # NOTE: logged once per new answer: someone else holds the worker's lease
+                log.error("worker %d at %s: cannot take it back: %s", self.worker_id, self.remote.address, exc)
             self.last_error = str(exc)
             self._backoff_s = min(2 * self._backoff_s, cfg.reconnect_max_s)
             return

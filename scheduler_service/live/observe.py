@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from scheduler_service.core.admission import Decision
 from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason, RejectReason
 from scheduler_service.core.request import Request, RequestStatus
@@ -121,6 +122,23 @@ class LiveMetrics(MetricsRecorder):
             trace.phase("queue")
         if self.serving is not None:
             self.serving.inc_preemption(str(mode), str(reason))
+
+    def on_admission(self, request: Request, decision: Decision, why: str) -> None:
+        """The admission decision on the request's span and in the admission counter; `why` is
+        the counter's reason for an admitted request (slo, no_slo, offline, off)."""
+        trace = self.traces.get(request.request_id)
+        reason = decision.reason or why
+        if trace is not None:
+            attrs: dict[str, Any] = {"sluice.admission": "admit" if decision.admit else "refuse"}
+            attrs["sluice.admission.reason"] = reason
+            if decision.estimate is not None:
+                attrs["sluice.admission.ttft_estimate_s"] = decision.estimate.ttft_s
+                attrs["sluice.admission.tbt_estimate_s"] = decision.estimate.tbt_s
+                attrs["sluice.admission.batch"] = decision.estimate.batch
+            for key, value in attrs.items():
+                trace.span.set_attribute(key, value)
+        if self.serving is not None:
+            self.serving.inc_admission("admit" if decision.admit else "refuse", reason)
 
     def on_reject(self, request: Request, reason: RejectReason, now: float) -> None:
         super().on_reject(request, reason, now)

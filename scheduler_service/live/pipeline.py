@@ -38,6 +38,8 @@ class PipelineService(Protocol):
 
     def settle(self) -> None: ...
 
+    def observe_step(self, worker_id: int, plan: StepPlan, seconds: float, seen_s: float) -> None: ...
+
 
 class PipelinedLoop(Protocol):
     """What the pipeline needs of the WorkerLoop that owns it (named here, so this module does
@@ -71,6 +73,15 @@ class StepPipeline:
         self.sent: deque[tuple[StepPlan, BatchShape | None, float]] = deque()
         self._last_answer = 0.0  # perf_counter of the last answer applied
         self.num_ahead = 0  # plans sent while another step was in flight
+
+    def in_flight(self, now: float) -> tuple[tuple[int, float], ...]:
+        """(scheduled tokens, seconds since it could start) of each step on the stream: the
+        oldest runs since it was sent or the answer before it was applied; the others wait."""
+        steps = []
+        for i, (plan, _, sent_at) in enumerate(self.sent):
+            running = now - max(sent_at, self._last_answer) if i == 0 else 0.0
+            steps.append((sum(plan.num_scheduled_tokens.values()), running))
+        return tuple(steps)
 
     @property
     def num_in_flight(self) -> int:
@@ -122,4 +133,5 @@ class StepPipeline:
         # applied) to its own answer applied; with the stream kept full this is the step period.
         visible = done - max(sent_at, self._last_answer)
         self._last_answer = done
+        live.observe_step(w, plan, result.total_s, visible)
         loop.step_log.append((len(plan.num_scheduled_tokens), visible, result.total_s, shape))

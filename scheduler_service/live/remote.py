@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -30,11 +32,13 @@ import grpc
 from scheduler_service.costmodel.base import HardwareSpec
 from scheduler_service.costmodel.presets import HARDWARE_PRESETS
 from sluice.common.grpc_server import CHANNEL_OPTIONS
-from sluice.common.security import PLAINTEXT, ClientSecurity
+from sluice.common.security import PLAINTEXT, ClientSecurity, explain_unavailable
 from sluice.contract.plan import StepPlan, StepResult
 from sluice.contract.plan_codec import PlanSender
 from sluice.contract.profile import ModelSpec
 from sluice.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 # Step errors after which the worker's engine cannot go on (the worker's server answers
 # every later step the same way); a plan error (INVALID_ARGUMENT) is the core's to handle.
@@ -44,13 +48,25 @@ FATAL_STEP_CODES = frozenset({"UNAVAILABLE", "INTERNAL", "FAILED_PRECONDITION"})
 SESSION_KEY = "x-sluice-session"  # the worker's lease (worker_service/lease.py)
 
 
+HOLDER_KEY = "x-sluice-scheduler"  # our name, sent with Warmup (the worker's lease records it)
+LEASE_LEFT_KEY = "x-sluice-lease-left-s"  # a refused Warmup's trailing metadata
+LEASE_RECHECK_S = 6.0  # a live holder renews at least every lease_ttl_s / 4 (5 s at the default 20 s)
+
+
 class WorkerLost(Exception):
     """The worker cannot execute steps on this session any more; `code` is the gRPC status
-    name when the worker answered one (FAILED_PRECONDITION: leased to another scheduler)."""
+    name when the worker answered one (FAILED_PRECONDITION: leased to another scheduler);
+    `lease_left_s` how long that lease lives unless renewed (when the worker said)."""
 
-    def __init__(self, message: str, code: str = "") -> None:
+    def __init__(self, message: str, code: str = "", lease_left_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.lease_left_s = lease_left_s
+
+
+class LeaseHeld(WorkerLost):
+    """The worker is leased to a scheduler that is alive (it renewed the lease while we waited),
+    or whose lease outlasts our connect timeout: a rival, not our own previous incarnation."""
 
 
 class WorkerDiverged(WorkerLost):
@@ -114,8 +130,14 @@ class RemoteWorker:
         *,
         security: ClientSecurity = PLAINTEXT,
         channel_options: tuple[tuple[str, int], ...] = CHANNEL_OPTIONS,
+        holder: str = "",
+        on_wait: Callable[[str], None] | None = None,
     ) -> None:
+        """`holder`: our name for the worker's lease (host:port we serve on); `on_wait` hears
+        what a start waits for (the lease of a worker, and for how long)."""
         self.worker_id = worker_id
+        self.holder = holder
+        self.on_wait = on_wait
         self.address = address
         self.step_timeout_s = step_timeout_s
         self.security = security
@@ -148,12 +170,16 @@ class RemoteWorker:
             # NOTE: the session keeps the role the worker announced (its --role, or the role of
             # our own session when we warm it up again), so Info says the same while we hold it.
             warmup.role = info.capabilities.role
-            warm = await stub.Warmup(warmup, timeout=timeout_s, metadata=self.metadata)
+            holder = ((HOLDER_KEY, self.holder),) if self.holder else ()
+            warm = await stub.Warmup(warmup, timeout=timeout_s, metadata=(*self.metadata, *holder))
             self.session = warm.session_id or None
             health = await stub.Health(worker_pb2.HealthRequest(), timeout=timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             await self.close()
-            raise WorkerLost(f"worker {self.address}: {exc.code().name}: {exc.details()}", exc.code().name) from exc
+            code, details = exc.code().name, exc.details() or ""
+            if code == "UNAVAILABLE":
+                details = explain_unavailable(details, self.security)
+            raise WorkerLost(f"worker {self.address}: {code}: {details}", code, _lease_left(exc)) from exc
         if not health.serving:
             await self.close()
             raise WorkerLost(f"worker {self.address} is not serving after warmup: {health.message}")
@@ -163,17 +189,44 @@ class RemoteWorker:
         return capacity_from_proto(info, warm)
 
     async def connect_patiently(self, options: WarmupOptions, timeout_s: float) -> WorkerCapacity:
-        """`connect`, retried while the worker is leased to another scheduler (e.g. our own
-        previous incarnation, whose lease lapses unrenewed), up to timeout_s in all."""
+        """`connect`, retried while the worker is leased to a scheduler that has stopped calling
+        (e.g. our own previous incarnation on another port), up to timeout_s in all: it says
+        in the log what it waits for and how long, and takes the worker the moment the lease
+        lapses. A holder that renews the lease meanwhile is alive: LeaseHeld at once (one line
+        naming the worker and the lease's time left), as when the lease outlasts timeout_s."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        expires: float | None = None  # when the lease we wait for lapses, as the worker last said
         while True:
             try:
                 return await self.connect(options, max(0.1, deadline - loop.time()))
+            except LeaseHeld:
+                raise
             except WorkerLost as exc:
-                if exc.code != "FAILED_PRECONDITION" or loop.time() + 1.0 > deadline:
+                if exc.code != "FAILED_PRECONDITION":
                     raise
-            await asyncio.sleep(1.0)
+                left = exc.lease_left_s
+                if left is None:  # NOTE: a worker that does not say: poll, as before
+                    if loop.time() + 1.0 > deadline:
+                        raise
+                    await asyncio.sleep(1.0)
+                    continue
+                now = loop.time()
+                renewed = expires is not None and now + left > expires + 0.5
+                if renewed or now + left > deadline:
+                    why = (
+                        "its holder renewed it while we waited"
+                        if renewed
+                        else f"beyond connect_timeout_s {timeout_s:g}"
+                    )
+                    raise LeaseHeld(f"{exc} [{why}]", exc.code, left) from None
+                if expires is None:
+                    what = f"the lease of worker {self.address} to lapse (in {left:.1f} s)"
+                    log.warning("waiting for %s: %s", what, exc)
+                    if self.on_wait is not None:
+                        self.on_wait(what)
+                expires = now + left
+                await asyncio.sleep(min(left + 0.05, LEASE_RECHECK_S))
 
     async def execute(self, plan: StepPlan) -> StepResult:
         if self._call is None:
@@ -365,6 +418,16 @@ def _raise_if_we_are_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+def _lease_left(exc: grpc.aio.AioRpcError) -> float | None:
+    for key, value in exc.trailing_metadata() or ():
+        if key == LEASE_LEFT_KEY:
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
 
 
 def _describe(exc: BaseException) -> str:

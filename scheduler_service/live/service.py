@@ -36,8 +36,20 @@ from dataclasses import asdict
 
 from scheduler_service.cluster import ClusterSpec, DisaggCluster, WorkerSpec, build_cluster
 from scheduler_service.cluster.lengths import GivenLengths
+from scheduler_service.core.admission import (
+    ADMITTED,
+    QueueView,
+    SpeedFit,
+    StepSpeed,
+    decide,
+    decide_cold,
+    estimate,
+)
 from scheduler_service.core.preemption import RejectReason
 from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.slo import SLOClass
+from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_worker_cost_model
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.discovery import WorkerDiscovery
@@ -47,11 +59,14 @@ from scheduler_service.live.loop import WorkerLoop
 from scheduler_service.live.observe import LiveMetrics
 from scheduler_service.live.remote import RemoteWorker, WarmupOptions, WorkerCapacity, WorkerLost
 from scheduler_service.live.stream import RequestStream
-from scheduler_service.live.transfers import KVTransfers, check_transfer_config
+from scheduler_service.live.transfers import KVTransfers
+from scheduler_service.live.validate import check_live_config
 from sluice.common.grpc_server import KEEPALIVE, Keepalive
 from sluice.common.predictor_client import PredictorClient
 from sluice.common.prom import ServingMetrics
 from sluice.common.security import ANONYMOUS, PLAINTEXT, ClientSecurity
+from sluice.contract.plan import StepPlan
+from sluice.contract.profile import BatchShape
 from sluice.contract.sampling import InvalidRequestError
 from sluice.v1 import generation_pb2
 
@@ -73,6 +88,9 @@ class NotOwner(Exception):
 # Steps with at most this many tokens are detokenized on the event loop: about 50 us per
 # token with the demo tokenizer, less than the ~85 us of a hop to a thread and back.
 INLINE_DETOKENIZE_TOKENS = 2
+# Text prompts of this many characters or more are encoded on a lane of their own (about 10 ms
+# of the tokenizer's time and up: the short requests' lane never waits for one).
+LARGE_PROMPT_CHARS = 64 * 1024
 
 
 def load_tokenizer(model: str, path: str | None) -> object | None:
@@ -105,6 +123,33 @@ def served_context_len(cfg: LiveConfig, caps: Sequence[WorkerCapacity]) -> int:
         )
         length = cfg.max_num_batched_tokens
     return length
+
+
+def prior_speed(cost_model: CostModel) -> StepSpeed:
+    """The step speed admission assumes before a worker has run steps: the cost model's
+    (a fitted profile's when given, else the analytic roofline)."""
+    base = cost_model.iteration_time(BatchShape(num_decodes=1, decode_context_sum=1, decode_context_max=1))
+    per_token = max(0.0, (cost_model.prefill_time(1024) - cost_model.prefill_time(64)) / 960)
+    return StepSpeed(base, per_token)
+
+
+def queue_view(
+    sched: Scheduler, in_flight: tuple[tuple[int, float], ...] = (), recent_prefill: float = 0.0
+) -> QueueView:
+    """What admission needs of one worker's queue (running, swapped and kept requests count as
+    running: they hold seats); `in_flight`: (tokens, seconds running) of its steps not answered."""
+    held = [*sched.running.values(), *sched.swapped.values(), *sched.kept.values()]
+    waiting = list(sched.waiting.values())
+    return QueueView(
+        running_left=tuple(r.remaining_output_estimate for r in held),
+        running_prefill=sum(r.num_tokens_to_compute for r in held if r.is_prefill),
+        waiting_prompts=tuple(r.num_tokens_to_compute for r in waiting),
+        waiting_outputs=tuple(r.remaining_output_estimate for r in waiting),
+        max_num_seqs=sched.config.max_num_seqs,
+        token_budget=sched.config.max_num_batched_tokens,
+        in_flight=in_flight,
+        recent_prefill=recent_prefill,
+    )
 
 
 def cluster_spec(cfg: LiveConfig, caps: Sequence[WorkerCapacity], max_model_len: int) -> ClusterSpec:
@@ -150,11 +195,14 @@ class LiveScheduler:
             raise ValueError("the scheduler needs at least one worker address")
         self.addresses = list(addresses)
         self.config = config or LiveConfig()
-        check_transfer_config(self.config)
+        check_live_config(self.config)
         self.serving = serving
         self.clock = clock
         self.security = security
         self.keepalive = keepalive
+        self.name = ""  # host:port we serve on; the workers' leases record it (SchedulerServer sets it)
+        self.started = False
+        self.waiting_for = "connecting to its workers"  # what start() waits for (UNAVAILABLE says it)
         self.streams: dict[str, RequestStream] = {}
         self.loops: dict[int, WorkerLoop] = {}
         self.on_health: Callable[[bool], None] | None = None
@@ -165,11 +213,15 @@ class LiveScheduler:
         self.num_tokenizing = 0  # text prompts on the tokenizer thread: they count as waiting
         self.predictor: PredictorLink | None = None
         self.discovery = discovery
-        # NOTE: two pools: a long prompt being encoded never delays a step's detokenizing.
+        # NOTE: three pools: a long prompt being encoded never delays a step's detokenizing,
+        # and prompts of LARGE_PROMPT_BYTES or more have a lane of their own, so two huge ones
+        # cannot hold every encoder thread while short requests wait behind them.
         self._encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sluice-encode")
+        self._encode_large_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-encode-large")
         self._decode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-decode")
         self._decode_lock = asyncio.Lock()
         self.transfers = KVTransfers(self)
+        self._refusal = ""  # why admission refused the request being submitted
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -181,6 +233,7 @@ class LiveScheduler:
         for remote, cap in zip(remotes, caps, strict=True):
             self.loops[remote.worker_id] = WorkerLoop(self, remote, cap)
         self.started_at = self.clock()
+        self.started = True
         self._tasks = [asyncio.create_task(loop.run(), name=f"sluice-worker-{w}") for w, loop in self.loops.items()]
         if self.discovery is not None:
             self._tasks.append(asyncio.create_task(self.discovery.run(self), name="sluice-discovery"))
@@ -223,8 +276,17 @@ class LiveScheduler:
             # the name that was resolved (as gRPC's own DNS resolver does), not the IP.
             options = (*options, ("grpc.ssl_target_name_override", name))
         return RemoteWorker(
-            worker_id, address, self.config.step_timeout_s, security=self.security, channel_options=options
+            worker_id,
+            address,
+            self.config.step_timeout_s,
+            security=self.security,
+            channel_options=options,
+            holder=self.name,
+            on_wait=self._note_wait,
         )
+
+    def _note_wait(self, what: str) -> None:
+        self.waiting_for = what
 
     def _warmup_options(self) -> WarmupOptions:
         cfg = self.config
@@ -244,6 +306,8 @@ class LiveScheduler:
         self.metrics = LiveMetrics(self.model, cfg.policy, self.serving)
         self.metrics.initialise_series([str(w) for w in range(len(caps))])
         self.spec = cluster_spec(cfg, caps, self.max_model_len)
+        self.speed_prior = prior_speed(self.spec.cost_model)
+        self.speeds = {w: SpeedFit(self.speed_prior) for w in range(len(caps))}
         self.cluster = build_cluster(self.spec, self.metrics, timer=time.perf_counter)
         self.limits = Limits(
             max_model_len=self.max_model_len,
@@ -303,6 +367,7 @@ class LiveScheduler:
         if self.predictor is not None:
             await self.predictor.close()
         self._encode_pool.shutdown(wait=False, cancel_futures=True)
+        self._encode_large_pool.shutdown(wait=False, cancel_futures=True)
         self._decode_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ intake
@@ -324,9 +389,11 @@ class LiveScheduler:
         self.metrics.start_trace(request, dict(msg.labels))
         stream = RequestStream(request, self._detokenizer(request), request.sampling.stop, owner)
         self.streams[rid] = stream
-        reason = self.cluster.submit(request, now)
+        reason = self.cluster.submit(request, now, self._admission(request))
         if reason is not None:
             del self.streams[rid]
+            if reason is RejectReason.SLO_UNMEETABLE:
+                raise Rejected(reason, self._refusal)
             raise Rejected(reason, request.finish_message or str(reason))
         if self.predictor is not None:
             self.predictor.ask(request)
@@ -345,6 +412,56 @@ class LiveScheduler:
             self.metrics.on_reject(request or rejected_stub(rid, msg, now), RejectReason.QUEUE_FULL, now)
             raise Rejected(RejectReason.QUEUE_FULL, f"the waiting queue is full ({self.config.max_waiting} requests)")
 
+    def _admission(self, request: Request) -> Callable[[Request, int], RejectReason | None] | None:
+        """SLO-aware admission (core/admission.py) as the cluster's hook: asked about the worker
+        the router chose, it refuses (SLO_UNMEETABLE) a request whose TTFT or TBT SLO that
+        worker's queue and measured speed say cannot be met. Offline requests (judged by JCT),
+        requests without a TTFT or TBT SLO and `admission off` are admitted up to max_waiting.
+        The decision goes on the request's span and the admission counter."""
+        slo, cfg = request.slo, self.config
+        ttft_s, tbt_s = slo.ttft_s, slo.tbt_s or cfg.tbt_slo_s
+        why = (
+            "off"
+            if cfg.admission == "off"
+            else "offline"
+            if slo.effective_class is SLOClass.OFFLINE
+            else "no_slo"
+            if (ttft_s is None and tbt_s is None) or isinstance(self.cluster, DisaggCluster)
+            else ""
+        )
+        if why:
+            self.metrics.on_admission(request, ADMITTED, why)
+            return None
+
+        def admit(request: Request, worker: int) -> RejectReason | None:
+            fit = self.speeds[worker]
+            view = queue_view(
+                self.cluster.schedulers[worker], self.loops[worker].in_flight_tokens(), fit.prefill_per_step
+            )
+            prompt, output = request.num_tokens_to_compute, request.remaining_output_estimate
+            decision = decide_cold(view, fit) or decide(
+                estimate(view, prompt, output, fit.speed(), tbt_s and tbt_s * cfg.admission_headroom),
+                ttft_s,
+                tbt_s,
+                cfg.admission_headroom,
+            )
+            self.metrics.on_admission(request, decision, "slo")
+            if decision.admit:
+                return None
+            self._refusal = decision.describe(ttft_s, tbt_s, cfg.admission_headroom)
+            return RejectReason.SLO_UNMEETABLE
+
+        return admit
+
+    def observe_step(self, worker_id: int, plan: StepPlan, seconds: float, seen_s: float) -> None:
+        """A step's plan, the seconds the worker says it took and how long it took as seen
+        here: the worker's measured speed (and recent prompt tokens) admission estimates with."""
+        speed = self.speeds.get(worker_id)
+        if speed is not None:
+            counts = plan.num_scheduled_tokens.values()
+            tokens = sum(counts)
+            speed.add(tokens, seconds, seen_s, prefill=sum(n for n in counts if n > 1))
+
     async def _prompt_ids(self, msg: generation_pb2.GenerateRequest) -> list[int]:
         if msg.WhichOneof("prompt") != "text":
             return list(msg.token_ids.ids)
@@ -353,7 +470,8 @@ class LiveScheduler:
         self.num_tokenizing += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._encode_pool, self.tokenizer.encode_unlocked, msg.text)
+            pool = self._encode_large_pool if len(msg.text) >= LARGE_PROMPT_CHARS else self._encode_pool
+            return await loop.run_in_executor(pool, self.tokenizer.encode_unlocked, msg.text)
         finally:
             self.num_tokenizing -= 1
 
@@ -464,11 +582,25 @@ class LiveScheduler:
         self._publish_health()
 
     def readdress(self, worker_id: int, address: str) -> None:
-        """The worker now listens at `address` (restarted by a supervisor on a new port); the
-        loop's next reconnect dials it there."""
-        log.warning("worker %d moves from %s to %s", worker_id, self.addresses[worker_id], address)
+        """The worker (re)started at `address` (a supervisor restarted it, maybe on a new port):
+        the loop dials it there now, not after its backoff."""
+        if address != self.addresses[worker_id]:
+            log.warning("worker %d moves from %s to %s", worker_id, self.addresses[worker_id], address)
         self.addresses[worker_id] = address
         self.loops[worker_id].remote.address = address
+        self.loops[worker_id].redial.set()
+
+    def readdress_predictor(self, address: str) -> None:
+        """The length predictor now listens at `address` (restarted by a supervisor on a new
+        port): later requests ask it there; questions in flight to the old one fall back."""
+        if self.predictor is None:
+            return
+        log.warning("the length predictor moves from %s to %s", self.config.predictor, address)
+        self.config.predictor = address
+        old = self.predictor.client
+        self.predictor.client = self._predictor_link().client
+        task = asyncio.get_running_loop().create_task(old.close())
+        self._tasks.append(task)
 
     def worker_reset(self, worker_id: int) -> None:
         """The worker was warmed up again on a new session (its state wiped): the requests it
@@ -510,6 +642,7 @@ class LiveScheduler:
         self.addresses.append(address)  # NOTE: ids are never reused, so addresses[id] stays the worker's
         loop = WorkerLoop(self, remote, cap)
         self.loops[worker_id] = loop
+        self.speeds[worker_id] = SpeedFit(self.speed_prior)
         self._tasks.append(asyncio.create_task(loop.run(), name=f"sluice-worker-{worker_id}"))
         self.metrics.initialise_series([str(worker_id)])
         log.warning(

@@ -47,10 +47,26 @@ class Issued:
         return key
 
 
-def _name(common_name: str) -> x509.Name:
-    return x509.Name(
-        [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Sluice"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
-    )
+SERVICE_ROLES = ("scheduler", "worker", "predictor")  # any other name is issued the role "client"
+
+
+def role_for(name: str) -> str:
+    return name if name in SERVICE_ROLES else "client"
+
+
+def _name(common_name: str, role: str | None = None) -> x509.Name:
+    """O=Sluice, OU=role (what a service checks, tls_client_roles), CN=the name."""
+    attributes = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Sluice")]
+    if role:
+        attributes.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role))
+    return x509.Name([*attributes, x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def certificate_role(cert_pem: bytes) -> str | None:
+    """The role (subject OU) of a PEM certificate, None when it has none."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    units = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    return str(units[0].value) if units else None
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -94,14 +110,18 @@ def _alt_names(hosts: Iterable[str]) -> list[x509.GeneralName]:
     return names
 
 
-def issue(ca: Issued, common_name: str, hosts: Sequence[str] = (), days: int = LEAF_DAYS) -> Issued:
-    """A certificate for one service (server and client use), valid for `hosts` and loopback."""
+def issue(
+    ca: Issued, common_name: str, hosts: Sequence[str] = (), days: int = LEAF_DAYS, role: str | None = None
+) -> Issued:
+    """A certificate for one service (server and client use), valid for `hosts` and loopback;
+    its subject OU is `role` (default: the name for a service, else "client"): a worker under
+    `sluice serve` accepts only its scheduler's role, so a client certificate cannot drive it."""
     key = ec.generate_private_key(ec.SECP256R1())
     ca_cert, ca_key = ca.certificate, ca.private_key
     start = _now()
     cert = (
         x509.CertificateBuilder()
-        .subject_name(_name(common_name))
+        .subject_name(_name(common_name, role or role_for(common_name)))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())

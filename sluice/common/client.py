@@ -191,6 +191,7 @@ class SluiceClient:
         security: ClientSecurity = PLAINTEXT,
     ) -> None:
         self.target = target
+        self.security = security
         if security.tls is None:
             self.channel = grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
         else:

@@ -128,12 +128,16 @@ class GrpcServer:
         standard health, which a `health_port` also serves in plaintext."""
         security = security or ServerSecurity()
         health_servicer = health_servicer or health.aio.HealthServicer()
-        interceptors: list = [GuardInterceptor(security.api_keys)]
+        interceptors: list = [GuardInterceptor(security.api_keys, client_roles=security.client_roles)]
         # NOTE: the OpenTelemetry interceptor only when tracing is set up (it costs an extra
         # async-generator hop per streamed message).
         if tracing_enabled():
             interceptors += grpc_server_interceptors()
-        server = grpc.aio.server(options=keepalive.server_options(max_receive_bytes), interceptors=interceptors)
+        # NOTE: SO_REUSEPORT off (gRPC turns it on): a second process binding a live server's port
+        # fails instead of sharing it, so a worker restarted on its port, or a scheduler named by
+        # the port it serves on (its workers' leases), is alone there.
+        options = (*keepalive.server_options(max_receive_bytes), ("grpc.so_reuseport", 0))
+        server = grpc.aio.server(options=options, interceptors=interceptors)
         add_servicers(server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         enable_reflection((service_name, *extra_service_names, health.SERVICE_NAME), server)

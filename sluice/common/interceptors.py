@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from sluice.common.security import ApiKeys
+from sluice.common.security import ApiKeys, client_role
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -83,14 +83,29 @@ async def _checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerConte
         yield request
 
 
-def guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """The same handler, answering INVALID_ARGUMENT for requests that do not parse."""
-    parse = tolerant(handler.request_deserializer)
+async def _check_role(context: grpc.aio.ServicerContext, roles: tuple[str, ...]) -> None:
+    if not roles:
+        return
+    role = client_role(context)
+    if role not in roles:
+        shown = repr(role) if role else "none"
+        await _refuse(
+            context,
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"client certificate role {shown} may not call this service (tls_client_roles: {', '.join(roles)})",
+        )
+
+
+def guarded(handler: grpc.RpcMethodHandler, roles: tuple[str, ...] = ()) -> grpc.RpcMethodHandler:
+    """The same handler, answering INVALID_ARGUMENT for requests that do not parse and, with
+    `roles`, PERMISSION_DENIED to a client certificate of another role."""
+    parse = tolerant(handler.request_deserializer) if handler.request_deserializer is not None else None
     out = handler.response_serializer
     if handler.unary_unary:
         inner_uu = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await _check_role(context, roles)
             if isinstance(request, Malformed):
                 await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
             return await _result(inner_uu(request, context))
@@ -100,6 +115,7 @@ def guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner_us = handler.unary_stream
 
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await _check_role(context, roles)
             if isinstance(request, Malformed):
                 await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
             async for message in _relay(inner_us(request, context)):
@@ -110,12 +126,14 @@ def guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         inner_su = handler.stream_unary
 
         async def stream_unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            await _check_role(context, roles)
             return await _result(inner_su(_checked(requests, context), context))
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, parse, out)
     inner_ss = handler.stream_stream
 
     async def stream_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await _check_role(context, roles)
         async for message in _relay(inner_ss(_checked(requests, context), context)):
             yield message
 
@@ -144,9 +162,17 @@ def refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
 
 
 class GuardInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, api_keys: ApiKeys | None = None, open_prefixes: Iterable[str] = (HEALTH_PREFIX,)) -> None:
+    def __init__(
+        self,
+        api_keys: ApiKeys | None = None,
+        open_prefixes: Iterable[str] = (HEALTH_PREFIX,),
+        client_roles: tuple[str, ...] = (),
+    ) -> None:
+        """`client_roles`: under mutual TLS, the client certificate roles (subject OU) that may
+        call anything but health; others are answered PERMISSION_DENIED naming their role."""
         self.api_keys = api_keys
         self.open_prefixes = tuple(open_prefixes)
+        self.client_roles = client_roles
 
     async def intercept_service(
         self,
@@ -160,6 +186,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
             why = self.api_keys.check(details.invocation_metadata)
             if why is not None:
                 return refusing(handler, grpc.StatusCode.UNAUTHENTICATED, why)
-        if handler.request_deserializer is None:
+        roles = self.client_roles if not details.method.startswith(self.open_prefixes) else ()
+        if handler.request_deserializer is None and not roles:
             return handler
-        return guarded(handler)
+        return guarded(handler, roles)

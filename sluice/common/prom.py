@@ -58,6 +58,17 @@ PREDICTOR_FALLBACK_REASONS = ("timeout", "unavailable", "error", "invalid_answer
 STEP_ERROR_CODES = ("INVALID_ARGUMENT", "ABORTED", "FAILED_PRECONDITION", "UNAVAILABLE", "INTERNAL")
 
 
+ADMISSION_SERIES = (
+    ("admit", "slo"),
+    ("admit", "no_slo"),
+    ("admit", "offline"),
+    ("admit", "off"),
+    ("refuse", "ttft"),
+    ("refuse", "tbt"),
+    ("refuse", "cold"),
+)
+
+
 class ServingMetrics:
     """The scheduler's serving metrics; thread-safe (prometheus_client locks each child)."""
 
@@ -123,6 +134,13 @@ class ServingMetrics:
             registry=self.registry,
         )  # fmt: skip
         self._reconnects = counter("worker_reconnects", "Sessions re-established with a lost worker.", ("worker_id",))
+        self._admission = counter(
+            "admission_decisions",
+            "SLO-aware admission: requests admitted or refused, and the SLO a refusal could not meet.",
+            ("decision", "reason"),
+        )
+        for decision, reason in ADMISSION_SERIES:
+            self._admission.labels(self.model_name, decision, reason)
         for reason in FINISHED_REASONS:
             self._success.labels(self.model_name, reason)
         for reason in PREDICTOR_FALLBACK_REASONS:
@@ -180,6 +198,10 @@ class ServingMetrics:
     def inc_finished(self, finished_reason: str) -> None:
         """An accepted request ended: stop, length, abort, timeout, rejected or error."""
         self._success.labels(self.model_name, finished_reason).inc()
+
+    def inc_admission(self, decision: str, reason: str) -> None:
+        """decision admit (reason: slo, no_slo, offline, off) or refuse (reason: ttft, tbt, cold)."""
+        self._admission.labels(self.model_name, decision, reason).inc()
 
     def inc_predictor_fallback(self, reason: str) -> None:
         self._fallbacks.labels(self.model_name, reason).inc()

@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
+import logging
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,14 +57,56 @@ class SecurityConfig:
     health_port: int | None = opt(
         None, "also serve standard gRPC health, plaintext and unauthenticated, on this port (probes under mTLS)"
     )
+    tls_client_roles: str | None = opt(
+        None,
+        "under mutual TLS, only client certificates whose role (subject OU) is one of these may call "
+        "(comma-separated; `sluice certs` writes the role); none: any certificate tls_ca signed",
+    )
 
 
 SECRET_FIELDS = frozenset({"api_key", "worker_api_key"})
 
+# scheme://user:password@host -> the password replaced (redis://:PASSWORD@host included)
+_URL_CREDENTIALS = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*:)(?P<secret>[^@\s/]+)(?=@)")
+REDACTED = "***"
+
+
+def redact_url(text: str) -> str:
+    """`text` with the password of every URL in it replaced by ***: the one helper every log
+    line, settings dump and error message that may hold a URL goes through."""
+    return _URL_CREDENTIALS.sub(lambda m: m.group("head") + REDACTED, text)
+
 
 def redacted(settings: dict[str, Any]) -> dict[str, Any]:
-    """A settings dict fit for a log line: secrets shown only as set or not."""
-    return {k: ("<set>" if v else v) if k in SECRET_FIELDS else v for k, v in settings.items()}
+    """A settings dict fit for a log line: secrets shown only as set or not, URL passwords hidden."""
+    return {
+        k: ("<set>" if v else v) if k in SECRET_FIELDS else redact_url(v) if isinstance(v, str) else v
+        for k, v in settings.items()
+    }
+
+
+class RedactingFilter(logging.Filter):
+    """Hides URL passwords in every record a handler emits (its message and its traceback), so a
+    library that logs a URL it was given cannot leak one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact_url(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact_url(record.exc_text)
+        return True
+
+
+def setup_logging(level: int) -> None:
+    """basicConfig with URL passwords redacted on every root handler (the services' entry points)."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
 
 
 # ---------------------------------------------------------------- TLS
@@ -142,6 +186,18 @@ class ApiKeys:
         return None
 
 
+def client_role(context: grpc.aio.ServicerContext) -> str | None:
+    """The role (subject OU) of the caller's verified client certificate, None without one."""
+    auth = context.auth_context() or {}
+    for subject in auth.get("x509_subject", ()):
+        text = subject.decode() if isinstance(subject, bytes) else str(subject)
+        for part in text.split(","):
+            key, _, value = part.strip().partition("=")
+            if key == "OU":
+                return value
+    return None
+
+
 def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
     for key, value in metadata or ():
         if key == AUTHORIZATION_KEY:
@@ -163,6 +219,7 @@ class ServerSecurity:
 
     tls: TlsFiles | None = None
     api_keys: ApiKeys | None = None
+    client_roles: tuple[str, ...] = ()  # under mutual TLS: the client certificate roles allowed (none: any)
 
     @classmethod
     def from_config(cls, cfg: SecurityConfig) -> ServerSecurity:
@@ -170,7 +227,10 @@ class ServerSecurity:
         if tls is not None and tls.cert is None:
             raise ValueError("tls_ca is set without tls_cert and tls_key: a server needs its own certificate")
         keys = split_keys(cfg.api_key)
-        return cls(tls, ApiKeys(keys) if keys else None)
+        roles = split_keys(cfg.tls_client_roles)
+        if roles and (tls is None or not tls.mutual):
+            raise ValueError("tls_client_roles: needs mutual TLS (tls_cert, tls_key and tls_ca)")
+        return cls(tls, ApiKeys(keys) if keys else None, roles)
 
     @property
     def enabled(self) -> bool:
@@ -225,8 +285,33 @@ class ClientSecurity:
 
 PLAINTEXT = ClientSecurity()
 
+# What gRPC says when a TLS handshake was cut short by the other side.
+_HANDSHAKE_CLOSED = ("Socket closed", "handshake", "Connection reset", "SSL")
 
-_SERVER_ONLY = ("health_port",)
+
+def explain_unavailable(details: str, security: ClientSecurity) -> str:
+    """UNAVAILABLE's details with what they mean when TLS is involved: gRPC reports a server
+    that refused our certificate (or its absence) only as "Socket closed"; the server's log
+    says why (gRPC's "Handshake failed ... PEER_DID_NOT_RETURN_A_CERTIFICATE" and the like)."""
+    if not any(marker in details for marker in _HANDSHAKE_CLOSED):
+        return details
+    if security.tls is None:
+        return (
+            f"{details} (a plaintext call to a TLS server fails this way: give --tls-ca, and --tls-cert and "
+            "--tls-key when it requires client certificates)"
+        )
+    if security.tls.cert is None:
+        return (
+            f"{details} (the server closed the TLS handshake: under mutual TLS it requires a client certificate "
+            "signed by its CA; give --tls-cert and --tls-key; the server's log says why it refused)"
+        )
+    return (
+        f"{details} (the TLS handshake failed: the server refused our client certificate, or we refused its "
+        "certificate (check --tls-ca and the host name); the server's log says which and why)"
+    )
+
+
+_SERVER_ONLY = ("health_port", "tls_client_roles")
 
 
 def add_client_security_arguments(parser: argparse.ArgumentParser) -> None:

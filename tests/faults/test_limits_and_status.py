@@ -89,7 +89,35 @@ async def test_an_8_mb_prompt_is_refused_by_its_size_before_tokenizing(worker: E
         ending = await s.generate(text="x" * 8 * 2**20, sampling_params=sampling(4))
         assert s.live.num_tokenizing == 0
     assert ending.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert ending.details == "text: the prompt is 8388608 bytes; the limit is 65536"
+    # 32 bytes per token of the longest prompt served: 64 blocks of 16 hold 1024 tokens
+    assert ending.details == "text: the prompt is 8388608 bytes; the limit is 32768"
+
+
+async def test_two_huge_text_prompts_cannot_starve_a_short_text_prompt_behind_them(worker: EchoWorker) -> None:
+    # NOTE: the probe's case: two 8 MB prompts held both encoder threads and a short text
+    # request waited 14.9 s for its TTFT; huge prompts now have a lane of their own
+    text = "the quick brown fox jumps over the lazy dog " * 50_000  # 2.2 MB each
+    async with stack([worker.address], max_prompt_bytes=4 * 2**20) as s:
+        big = [asyncio.ensure_future(s.generate(text=text, sampling_params=sampling(4))) for _ in range(2)]
+        for _ in range(1000):
+            if s.live.num_tokenizing == 2:
+                break
+            await asyncio.sleep(0.005)
+        assert s.live.num_tokenizing == 2
+        small = await s.generate(text="a short question", sampling_params=sampling(4))
+        still = s.live.num_tokenizing
+        endings = await asyncio.gather(*big)
+    assert small.ok and len(small.tokens) == 4
+    assert still >= 1, "the short text prompt was served while the huge ones were still being tokenized"
+    assert all(e.code == grpc.StatusCode.INVALID_ARGUMENT for e in endings)  # too long for the context
+
+
+def test_the_default_prompt_byte_limit_follows_the_longest_prompt_a_worker_can_hold() -> None:
+    from scheduler_service.live.intake import Limits
+
+    # a 128k context on 512 blocks of 16 tokens: 8192 tokens fit, so 32 x 8192 bytes, not 4 MiB
+    limits = Limits(131072, 512 * 16, VOCAB, 256, frozenset())
+    assert limits.prompt_bytes == 32 * 8192
 
 
 async def test_a_huge_text_prompt_is_tokenized_while_other_streams_and_health_go_on(worker: EchoWorker) -> None:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
 import pytest
-from fault_harness import EchoWorker, prompt, sampling, stack
+from fault_harness import EchoWorker, prompt, sampling, spawn_worker_process, stack
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli import main as sluice
@@ -21,8 +24,10 @@ from sluice.common.certs import write_dev_pki
 from sluice.common.client import SluiceClient
 from sluice.common.config import config_from
 from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted
-from sluice.v1 import generation_pb2, generation_pb2_grpc
+from sluice.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker_service.server import WorkerServerOptions
+
+ROOT = Path(__file__).resolve().parents[2]
 
 KEYS = "key-alice,key-bob"
 
@@ -227,3 +232,52 @@ async def test_a_request_that_does_not_parse_is_invalid_argument_and_logs_no_tra
         assert served.ok, "the service carries on"
     finally:
         await worker.stop()
+
+
+async def test_a_refused_client_certificate_is_explained_on_both_sides(
+    pki: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """gRPC tells the client only "Socket closed": the client names the likely cause (no client
+    certificate under mutual TLS) and the server's log says which side refused and why."""
+    worker = await EchoWorker.start(0)
+    try:
+        async with stack([worker.address], security=ServerSecurity.from_config(files(pki, "scheduler"))) as s:
+            cmd = [sys.executable, "-m", "services.cli", "generate", "--target", f"localhost:{s.server.port}"]
+            cmd += ["--tls-ca", str(pki / "ca.crt"), "--timeout", "5", "hello"]
+            env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+            done = await asyncio.to_thread(
+                subprocess.run, cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+            )
+    finally:
+        await worker.stop()
+    server_log = capfd.readouterr().err
+    assert done.returncode == 2
+    assert "UNAVAILABLE" in done.stderr and "requires a client certificate" in done.stderr
+    assert "Handshake failed" in server_log and "PEER_DID_NOT_RETURN_A_CERTIFICATE" in server_log
+
+
+async def test_a_worker_under_serve_accepts_only_its_schedulers_certificate_role(pki: Path) -> None:
+    """`sluice serve` hands its workers the role of its own certificate (`sluice certs` writes
+    it as the subject OU): a client's certificate, signed by the same CA, is refused."""
+    cfg = ServeConfig(
+        tls_cert=str(pki / "scheduler.crt"), tls_key=str(pki / "scheduler.key"), tls_ca=str(pki / "ca.crt")
+    )
+    env = worker_environment(cfg)
+    assert env["SLUICE_TLS_CLIENT_ROLES"] == "scheduler"
+    tls = ["--tls-cert", str(pki / "worker.crt"), "--tls-key", str(pki / "worker.key"), "--tls-ca", str(pki / "ca.crt")]
+    worker = await spawn_worker_process(0, extra=tls, env={"SLUICE_TLS_CLIENT_ROLES": env["SLUICE_TLS_CLIENT_ROLES"]})
+    try:
+        answers = {}
+        for name in ("scheduler", "alice"):
+            async with ClientSecurity.from_config(files(pki, name)).channel(f"localhost:{worker.port}") as channel:
+                try:
+                    await worker_pb2_grpc.WorkerServiceStub(channel).Info(worker_pb2.InfoRequest(), timeout=10)
+                    answers[name] = "OK"
+                except grpc.aio.AioRpcError as exc:
+                    answers[name] = f"{exc.code().name}: {exc.details()}"
+    finally:
+        worker.stop()
+    assert answers["scheduler"] == "OK"
+    assert answers["alice"] == (
+        "PERMISSION_DENIED: client certificate role 'client' may not call this service (tls_client_roles: scheduler)"
+    )

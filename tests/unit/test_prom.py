@@ -42,6 +42,8 @@ EXPECTED = {
     "sluice_generation_tokens": "counter",
     # ours: how far live length predictions landed from the observed lengths
     "sluice_length_prediction_error_tokens": "histogram",
+    # ours: SLO-aware admission's decisions (admit / refuse, and why)
+    "sluice_admission_decisions": "counter",
 }
 
 
@@ -177,3 +179,12 @@ def test_metrics_endpoint_serves_the_exposition_format() -> None:
     assert e2e["sluice_e2e_request_latency_seconds_sum"] == pytest.approx(1.2)
     (preempt,) = [s for s in parsed["sluice_num_preemptions"].samples if s.name.endswith("_total")]
     assert preempt.labels == {"model_name": "tiny-llama", "mode": "recompute", "reason": "kv_pressure"}
+
+
+def test_admission_decisions_start_at_zero_and_count_by_decision_and_reason() -> None:
+    metrics = ServingMetrics("tiny-llama")
+    assert sample(metrics, "sluice_admission_decisions_total", decision="refuse", reason="tbt") == 0
+    metrics.inc_admission("refuse", "tbt")
+    metrics.inc_admission("admit", "slo")
+    assert sample(metrics, "sluice_admission_decisions_total", decision="refuse", reason="tbt") == 1
+    assert sample(metrics, "sluice_admission_decisions_total", decision="admit", reason="slo") == 1

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from services.serve import child_setup, spawn_process, stop_workers
+from services.serve import spawn_process, stop_workers
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(30)"]
 
@@ -26,7 +26,3 @@ async def test_the_predictor_child_runs_at_the_priority_it_was_given(idle: bool)
         assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
     finally:
         await stop_workers([child])
-
-
-def test_nothing_to_lower_runs_nothing_in_the_child() -> None:
-    assert child_setup(0, False) is None
