@@ -42,11 +42,12 @@ from kvstore import paged_kernels
 from kvstore.kernel_attention import KernelPagedAttention, build_kernel_metadata, decode_columns, to_device
 from kvstore.paged import KVCacheSpec, PagedAttention, PagedKVCache, SeqChunk, build_metadata
 from sluice.common.tokenizer import Tokenizer
-from sluice.contract.plan import KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
+from sluice.contract.plan import NewRequestData, StepPlan, StepResult
 from sluice.contract.sampling import SamplingParams
 from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.engine_contract import EngineConfig, EngineInfo, KVCapacity
 from worker_service.hardware import HardwareInfo, describe_hardware
+from worker_service.kv_moves import apply_kv_moves
 from worker_service.model import Attention, DenseAttention, load_model, resolve_config, resolve_dtype
 from worker_service.model.dummy import is_preset
 from worker_service.plan_check import PlanBook, StepPlanError
@@ -249,7 +250,7 @@ class LLMEngine:
             # one's moves record over it (it waits only when two steps in a row swap).
             self._last.clock.wait()
             self._last.swap_s = self._cache.last_swap_seconds()
-        swap_s, swap_bytes = self._apply_moves(plan.kv_moves)
+        swap_s, swap_bytes = apply_kv_moves(self._cache, plan.kv_moves)
         self.book.commit(staged)
         for rid, entry in staged.states.items():
             state = self.requests[rid]
@@ -313,21 +314,6 @@ class LLMEngine:
                 sampling=new.sampling,
                 generator=None if seed is None else self.sampler.make_generator(seed),
             )
-
-    def _apply_moves(self, moves: Iterable[KVMove]) -> tuple[float, int]:
-        moves = list(moves)
-        if not moves:
-            return 0.0, 0
-        start, moved, cache = time.perf_counter(), 0, self._cache
-        with cache.swapping():
-            for m in moves:
-                if m.kind is KVMoveKind.SWAP_OUT:
-                    moved += cache.swap_out(m.src_block_ids, m.dst_block_ids, m.int8)
-                elif m.kind is KVMoveKind.SWAP_IN:
-                    moved += cache.swap_in(m.src_block_ids, m.dst_block_ids)
-                else:
-                    moved += cache.copy(m.src_block_ids, m.dst_block_ids)
-        return time.perf_counter() - start, moved
 
     def _launch_batch(self, plan: StepPlan, started: float) -> Launched:
         """Forward over every scheduled token, then the sampler, queued on the device."""

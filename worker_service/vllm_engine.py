@@ -44,10 +44,11 @@ import torch
 
 from kvstore.paged import KVCacheSpec
 from sluice.contract.limits import DEFAULT_MAX_NUM_SEQS
-from sluice.contract.plan import KVMove, KVMoveKind, NewRequestData, StepPlan, StepResult
+from sluice.contract.plan import NewRequestData, StepPlan, StepResult
 from sluice.contract.sampling import SamplingParams
 from worker_service.engine_contract import EngineConfig, EngineInfo, KVCapacity
 from worker_service.hardware import HardwareInfo, describe_hardware
+from worker_service.kv_moves import apply_kv_moves
 from worker_service.model import resolve_config, resolve_dtype
 from worker_service.model.config import ModelConfig
 from worker_service.model.dummy import is_preset
@@ -308,7 +309,10 @@ class VllmEngine:
         self.release(plan.release_ids)
         for new in plan.new_requests:
             self.requests[new.request_id] = RunnerRequest(new, admitted[new.request_id])
-        swap_s, swap_bytes = self._apply_moves(plan.kv_moves)
+        swap_s, swap_bytes = 0.0, 0
+        if self.cache is not None:  # checked above: no moves come before Warmup
+            sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else None
+            swap_s, swap_bytes = apply_kv_moves(self.cache, plan.kv_moves, sync)
         self.book.commit(staged)
         output = self._scheduler_output(plan)
         prepared = time.perf_counter()
@@ -351,25 +355,6 @@ class VllmEngine:
                 new.request_id,
             )
         return to_vllm_sampling(new.sampling, self.eos_token_ids, new.request_id)
-
-    def _apply_moves(self, moves: Iterable[KVMove]) -> tuple[float, int]:
-        moves = list(moves)
-        if not moves:
-            return 0.0, 0
-        cache = self.cache
-        assert cache is not None
-        start, moved = time.perf_counter(), 0
-        with cache.swapping():
-            for m in moves:
-                if m.kind is KVMoveKind.SWAP_OUT:
-                    moved += cache.swap_out(m.src_block_ids, m.dst_block_ids, m.int8)
-                elif m.kind is KVMoveKind.SWAP_IN:
-                    moved += cache.swap_in(m.src_block_ids, m.dst_block_ids)
-                else:
-                    moved += cache.copy(m.src_block_ids, m.dst_block_ids)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - start, moved
 
     def _scheduler_output(self, plan: StepPlan) -> SchedulerOutput:
         new_reqs: list[VllmNewRequest] = []
