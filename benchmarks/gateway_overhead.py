@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from live_common import ROOT, WorkerProcess, spawn_worker
+from live_common import WorkerProcess, spawn_service, spawn_worker
 
 from scheduler_service.core.slo import NO_SLO, SLOSpec
 from services.bench import BenchRequest, RequestRecord, run_requests, summarize, synthetic_prompt
@@ -48,26 +48,7 @@ from services.bench import _send as send_grpc
 from services.bench_openai import OpenAIBench
 from sluice.common.client import SluiceClient
 
-_LISTENING = re.compile(r"listening on ([\w.\-]+):(\d+)")
 BACKENDS = ("grpc", "http")
-
-
-def spawn_service(args: list[str], name: str, log_dir: Path, timeout_s: float = 60.0) -> tuple[subprocess.Popen, int]:
-    """A `sluice` command as a process; its port from the "listening on" line of its stdout."""
-    log = (log_dir / f"sluice-gateway-bench-{name}-{os.getpid()}.log").open("w")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "services.cli", *args]
-    process = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    deadline = time.monotonic() + timeout_s
-    assert process.stdout is not None
-    for line in process.stdout:
-        match = _LISTENING.search(line)
-        if match:
-            return process, int(match.group(2))
-        if time.monotonic() > deadline:
-            break
-    process.kill()
-    raise RuntimeError(f"{name} did not start ({' '.join(cmd)}); see {log.name}")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -337,11 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     processes: list[subprocess.Popen] = []
     try:
         scheduler, scheduler_port = spawn_service(
-            ["scheduler", "--worker", worker.address, "--port", "0", "--num-gpu-blocks", "16384"], "scheduler", log_dir
+            ["scheduler", "--worker", worker.address, "--port", "0", "--num-gpu-blocks", "16384"],
+            log_dir / f"sluice-gateway-bench-scheduler-{os.getpid()}.log",
         )
         processes.append(scheduler)
         gateway, gateway_port = spawn_service(
-            ["gateway", "--scheduler", f"127.0.0.1:{scheduler_port}", "--port", "0"], "gateway", log_dir
+            ["gateway", "--scheduler", f"127.0.0.1:{scheduler_port}", "--port", "0"],
+            log_dir / f"sluice-gateway-bench-gateway-{os.getpid()}.log",
         )
         processes.append(gateway)
         rows = asyncio.run(measure(args, scheduler_port, gateway_port, gateway.pid))

@@ -1,7 +1,8 @@
 """Helpers of the live benchmarks: worker processes started and stopped as `sluice worker` is.
 
-spawn_worker(engine="echo" | "torch", ...) -> WorkerProcess (a subprocess running
-    `python -m services.cli worker`, its address read from its "listening on" line)
+spawn_service(args, log_path) -> (process, port): any `sluice` command as a process, its port
+    read from its "listening on" line
+spawn_worker(engine="echo" | "torch", ...) -> WorkerProcess (`sluice worker` through spawn_service)
 WorkerProcess.stop(): SIGTERM (graceful shutdown), then SIGKILL after a grace period
 """
 
@@ -49,10 +50,8 @@ def spawn_worker(
     """Starts one worker process on a free port and waits for its "listening on" line."""
     log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp"))
     log_path = log_dir / f"sluice-bench-worker-{os.getpid()}-{worker_id}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli", "worker",
+    args = [
+        "worker",
         "--engine",
         engine,
         "--model",
@@ -69,16 +68,27 @@ def spawn_worker(
         str(threads),
         *extra,
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+    env = {"OMP_NUM_THREADS": str(threads)}
+    process, port = spawn_service(args, log_path, timeout_s, env)
+    return WorkerProcess(process, f"127.0.0.1:{port}", log_path)
+
+
+def spawn_service(
+    args: list[str], log_path: Path, timeout_s: float = 60.0, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, int]:
+    """`python -m services.cli ARGS` as a process (stderr to `log_path`, `env` over ours); its
+    port from the "listening on" line of its stdout."""
+    cmd = [sys.executable, "-m", "services.cli", *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     log = log_path.open("w")
-    process = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    process = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=full_env)
     deadline = time.monotonic() + timeout_s
     assert process.stdout is not None
     for line in process.stdout:
         match = _LISTENING.search(line)
         if match:
-            return WorkerProcess(process, f"127.0.0.1:{match.group(2)}", log_path)
+            return process, int(match.group(2))
         if time.monotonic() > deadline:
             break
     process.kill()
-    raise RuntimeError(f"worker did not start ({' '.join(cmd)}); see {log_path}")
+    raise RuntimeError(f"{args[0]} did not start ({' '.join(cmd)}); see {log_path}")
