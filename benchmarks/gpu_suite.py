@@ -13,6 +13,8 @@ worker benchmark and `sluice profile` as subprocesses; a short table last, every
                 a swap-out (and with a swap-in) of another request against each alone
     throughput  benchmarks/worker_throughput.py at the model's real shape (subprocess)
     profile     `sluice profile --grid gpu` for each --profile-models (subprocess)
+    fidelity    benchmarks/fidelity.py: live scheduler + one GPU worker vs the simulator priced by
+                this run's profile of --model (subprocess)
 
     python benchmarks/gpu_suite.py --out OUT [--phases roofline,decode,...] [--model llama-3-8b]
 
@@ -58,6 +60,12 @@ DECODE_POINTS = (
     (64, 4096), (128, 1024), (128, 2048), (256, 512), (256, 1024),
 )  # fmt: skip
 PREFILL_POINTS = ((512, 0), (1024, 0), (2048, 0), (4096, 0), (512, 1536), (2048, 2048), (1024, 6144))
+
+
+def sync() -> None:
+    """Waits for the device (a no-op on a CPU, where the suite's CPU phases are rehearsed)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10) -> float:
@@ -342,7 +350,7 @@ def swap_round(driver: PlanDriver, rid: str, scheduled: dict[str, int] | None = 
     cpu = tuple(driver.take(driver.free_cpu, len(gpu)))
     start = time.perf_counter()
     step_s, _ = driver.step(scheduled or {}, moves=[KVMove(KVMoveKind.SWAP_OUT, rid, gpu, cpu, False)])
-    torch.cuda.synchronize()
+    sync()
     drained = time.perf_counter() - start
     back = CachedRequestData((rid,), (gpu,), (True,), (driver.computed[rid],))
     driver.step({}, moves=[KVMove(KVMoveKind.SWAP_IN, rid, cpu, gpu)], cached=back)
@@ -357,15 +365,15 @@ def cache_swap_gb_s(engine: LLMEngine, num_blocks: int, int8: bool) -> dict:
     gpu, cpu = list(range(num_blocks)), list(range(num_blocks))
     outs, ins, moved = [], [], 0
     for i in range(6):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         with cache.swapping():
             moved = cache.swap_out(gpu, cpu, int8)
-        torch.cuda.synchronize()
+        sync()
         t1 = time.perf_counter()
         with cache.swapping():
             cache.swap_in(cpu, gpu)
-        torch.cuda.synchronize()
+        sync()
         if i:
             outs.append(t1 - t0)
             ins.append(time.perf_counter() - t1)
@@ -374,6 +382,31 @@ def cache_swap_gb_s(engine: LLMEngine, num_blocks: int, int8: bool) -> dict:
     return {"bytes_moved": moved, "out_ms": t_out * 1e3, "in_ms": t_in * 1e3,
             "out_gb_s": moved / t_out / 1e9, "in_gb_s": moved / t_in / 1e9,
             "out_kv_gb_s": raw / t_out / 1e9, "in_kv_gb_s": raw / t_in / 1e9}  # fmt: skip
+
+
+def swap_costs(engine: LLMEngine, cache_runs: dict[str, Any], pinned: dict[str, float]) -> dict:
+    """The swap costs the worker pays, in the simulator's terms: a straight line through the
+    plain swap times over the block counts (time = fixed + per block x n). `--swap-stall-s` is
+    the fixed part; `--swap-copy-overhead-s` (per KV copy call, 2 x layers calls per block) is
+    what a block costs beyond its bytes at the pinned copy rate the cost model already prices."""
+    layers = engine.model_config.num_layers
+    bpb = engine.spec.bytes_per_block
+    out: dict[str, Any] = {"bytes_per_block": bpb}
+    for way, bw_key in (("out", "pinned d2h_gb_s"), ("in", "pinned h2d_gb_s")):
+        pts = [(int(k.split()[1]), r[f"{way}_ms"] / 1e3) for k, r in cache_runs.items() if k.endswith("blocks")]
+        if len(pts) < 2:
+            continue
+        n_mean = statistics.fmean(n for n, _ in pts)
+        t_mean = statistics.fmean(t for _, t in pts)
+        slope = sum((n - n_mean) * (t - t_mean) for n, t in pts) / sum((n - n_mean) ** 2 for n, _ in pts)
+        fixed = t_mean - slope * n_mean
+        row = {"fixed_ms": fixed * 1e3, "per_block_us": slope * 1e6, "line_gb_s": bpb / slope / 1e9}
+        if bw_key in pinned:
+            beyond = slope - bpb / (pinned[bw_key] * 1e9)
+            row |= {"beyond_pinned_per_block_us": beyond * 1e6, "swap_stall_s": max(0.0, fixed),
+                    "swap_copy_overhead_s": max(0.0, beyond) / (2 * layers)}  # fmt: skip
+        out[way] = row
+    return out
 
 
 def phase_swap(args: argparse.Namespace, state: dict) -> dict:
@@ -391,6 +424,7 @@ def phase_swap(args: argparse.Namespace, state: dict) -> dict:
                 r["out_of_pinned"] = r["out_gb_s"] / pinned["pinned d2h_gb_s"]
                 r["in_of_pinned"] = r["in_gb_s"] / pinned["pinned h2d_gb_s"]
             out[f"cache {n} blocks{' int8' if int8 else ''}"] = r
+    out["costs"] = swap_costs(engine, out, pinned)
     rids = driver.prefill(batch, ctx, ctx, ctx + 64)
     (victim,) = driver.prefill(1, victim_blocks * bs, victim_blocks * bs, victim_blocks * bs)
     decodes = dict.fromkeys(rids, 1)
@@ -398,7 +432,7 @@ def phase_swap(args: argparse.Namespace, state: dict) -> dict:
     def decode_alone() -> tuple[float, float]:
         start = time.perf_counter()
         step_s, _ = driver.step(decodes)
-        torch.cuda.synchronize()
+        sync()
         return step_s, time.perf_counter() - start
 
     runs: dict[str, list[tuple[float, float]]] = {"decode": [], "swap_out": [], "both_out": []}
@@ -440,7 +474,7 @@ def phase_breakdown(args: argparse.Namespace, state: dict) -> dict:
     for name, run in steps.items():
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             run()
-            torch.cuda.synchronize()
+            sync()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
         print(f"-- {name}\n{table}", flush=True)
         events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:14]
@@ -486,6 +520,17 @@ def phase_profile(args: argparse.Namespace, state: dict) -> dict:
     return out
 
 
+def phase_fidelity(args: argparse.Namespace, state: dict) -> dict:
+    """Live (scheduler + one GPU worker) against the simulator priced by this run's profile."""
+    free_engine(state)
+    profile = Path(args.out) / f"profile-{args.model}.json"
+    if not profile.exists():
+        return {"skipped": f"no profile of {args.model} from this run"}
+    cmd = [sys.executable, "benchmarks/fidelity.py", "--device", args.device, "--model", args.model,
+           "--profile", str(profile), "--json", str(Path(args.out) / "fidelity.json"), *args.fidelity_args]  # fmt: skip
+    return run_subprocess(cmd, max(30.0, remaining(args, state) - 5))
+
+
 PHASES: dict[str, Callable[[argparse.Namespace, dict], dict]] = {
     "env": phase_env,
     "roofline": phase_roofline,
@@ -497,6 +542,7 @@ PHASES: dict[str, Callable[[argparse.Namespace, dict], dict]] = {
     "breakdown": phase_breakdown,
     "throughput": phase_throughput,
     "profile": phase_profile,
+    "fidelity": phase_fidelity,
 }
 
 
@@ -527,8 +573,11 @@ def summary(results: dict) -> str:
         elif phase in ("env", "roofline"):
             cells = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items())
             lines.append(f"{phase}: {cells}")
+        elif phase == "profile":
+            for model, run in res.items():
+                lines.append(f"{phase} {model}: rc={run.get('rc')}, seconds={run.get('seconds')}")
         else:
-            cells = ", ".join(f"{k}={res[k]}" for k in ("rc", "summary", "seconds", "notes") if k in res)
+            cells = ", ".join(f"{k}={res[k]}" for k in ("rc", "summary", "seconds", "notes", "skipped") if k in res)
             lines.append(f"{phase}: {cells}")
     return "\n".join(lines)
 
@@ -547,11 +596,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default="torch-eager,triton-eager,triton-graphs")
     p.add_argument("--decode-points", default=",".join(f"{b}x{c}" for b, c in DECODE_POINTS))
     p.add_argument("--prefill-points", default=",".join(f"{c}x{p}" for c, p in PREFILL_POINTS))
-    p.add_argument("--swap-blocks", default="16,128,512")
+    p.add_argument("--swap-blocks", default="16,64,128,256,512")
     p.add_argument("--overlap", default="64x2048x256", help="decodes x context x blocks swapped beside them")
     p.add_argument("--profile-models", default="llama-3-8b,llama-2-7b")
     p.add_argument("--profile-grid", default="gpu")
     p.add_argument("--throughput-args", default="", help="extra arguments for worker_throughput.py, space separated")
+    p.add_argument(
+        "--fidelity-args",
+        default="--prompt-scale 1 --max-prompt 4096 --max-output 512 --max-model-len 8192 --num-gpu-blocks 16384 "
+        "--max-num-seqs 128 --max-num-batched-tokens 2048 --rate 4 --target 0.10",
+        help="extra arguments for fidelity.py, space separated",
+    )
     p.add_argument("--deadline-s", type=float, default=540.0, help="skip what would start after this many seconds")
     p.add_argument("--tests-timeout-s", type=float, default=200.0)
     args = p.parse_args(argv)
@@ -563,6 +618,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.overlap = parse_points(args.overlap)[0]
     args.profile_models = [x for x in args.profile_models.split(",") if x]
     args.throughput_args = args.throughput_args.split()
+    args.fidelity_args = args.fidelity_args.split()
     return args
 
 
