@@ -11,6 +11,7 @@ worker benchmark and `sluice profile` as subprocesses; a short table last, every
     prefill     engine steps of one chunk over a cached prefix; FLOPs / time vs GEMM peak
     swap        swap-out / swap-in GB/s (plain and int8) vs pinned copies; a decode step with
                 a swap-out (and with a swap-in) of another request against each alone
+    swap_trace  that decode step with a swap-out under torch.profiler, as a Chrome trace
     throughput  benchmarks/worker_throughput.py at the model's real shape (subprocess)
     profile     `sluice profile --grid gpu` for each --profile-models (subprocess)
     fidelity    benchmarks/fidelity.py: live scheduler + one GPU worker vs the simulator priced by
@@ -454,6 +455,32 @@ def phase_swap(args: argparse.Namespace, state: dict) -> dict:
     return out
 
 
+def phase_swap_trace(args: argparse.Namespace, state: dict) -> dict:
+    """One decode step with a swap-out beside it under torch.profiler (CPU and CUDA), the trace
+    written to OUT/swap_trace.json: which stream waited for what when the two did not overlap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = build_engine(args, state)
+    bs = engine.spec.block_size
+    batch, ctx, victim_blocks = args.overlap
+    driver = driver_for(engine, args.configs[-1], batch * -(-(ctx + 64) // bs) + victim_blocks + 8, victim_blocks)
+    rids = driver.prefill(batch, ctx, ctx, ctx + 64)
+    (victim,) = driver.prefill(1, victim_blocks * bs, victim_blocks * bs, victim_blocks * bs)
+    decodes = dict.fromkeys(rids, 1)
+    for _ in range(2):
+        swap_round(driver, victim, decodes)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step_s, drained_s = swap_round(driver, victim, decodes)
+        sync()
+    path = Path(args.out) / "swap_trace.json"
+    prof.export_chrome_trace(str(path))
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50)
+    print(table, flush=True)
+    driver.release([*rids, victim])
+    return {"step_ms": step_s * 1e3, "drained_ms": drained_s * 1e3, "trace": str(path)}
+
+
 def phase_breakdown(args: argparse.Namespace, state: dict) -> dict:
     """Where the device time of one eager step goes (torch.profiler, top kernels by CUDA time)."""
     from torch.profiler import ProfilerActivity, profile
@@ -515,7 +542,7 @@ def phase_profile(args: argparse.Namespace, state: dict) -> dict:
     for model in args.profile_models:
         path = Path(args.out) / f"profile-{model}.json"
         cmd = [sys.executable, "-m", "services.cli", "profile", "--model", model, "--device", args.device,
-               "--grid", args.profile_grid, "--no-progress", "--out", str(path)]  # fmt: skip
+               "--grid", args.profile_grid, "--no-progress", "--out", str(path), *args.profile_args]  # fmt: skip
         out[model] = run_subprocess(cmd, max(30.0, remaining(args, state) - 5))
     return out
 
@@ -539,6 +566,7 @@ PHASES: dict[str, Callable[[argparse.Namespace, dict], dict]] = {
     "decode": phase_decode,
     "prefill": phase_prefill,
     "swap": phase_swap,
+    "swap_trace": phase_swap_trace,
     "breakdown": phase_breakdown,
     "throughput": phase_throughput,
     "profile": phase_profile,
@@ -600,6 +628,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap", default="64x2048x256", help="decodes x context x blocks swapped beside them")
     p.add_argument("--profile-models", default="llama-3-8b,llama-2-7b")
     p.add_argument("--profile-grid", default="gpu")
+    # Headroom for the int8 swap's float32 temporaries (a 512-block int8 swap-out of an 8B model
+    # needs about 6 GiB beside the cache; at 0.9 it ran out of memory on an 80 GB H100).
+    p.add_argument("--profile-args", default="--gpu-memory-utilization 0.8", help="extra `sluice profile` arguments")
     p.add_argument("--throughput-args", default="", help="extra arguments for worker_throughput.py, space separated")
     p.add_argument(
         "--fidelity-args",
@@ -619,6 +650,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.profile_models = [x for x in args.profile_models.split(",") if x]
     args.throughput_args = args.throughput_args.split()
     args.fidelity_args = args.fidelity_args.split()
+    args.profile_args = args.profile_args.split()
     return args
 
 

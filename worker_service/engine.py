@@ -250,14 +250,19 @@ class LLMEngine:
             # one's moves record over it (it waits only when two steps in a row swap).
             self._last.clock.wait()
             self._last.swap_s = self._cache.last_swap_seconds()
-        swap_s, swap_bytes = apply_kv_moves(self._cache, plan.kv_moves)
+        swap_s, swap_bytes = apply_kv_moves(self._cache, plan.kv_moves, defer_copies=cuda)
         self.book.commit(staged)
         for rid, entry in staged.states.items():
             state = self.requests[rid]
             state.block_table, state.cpu_block_ids = list(entry.gpu), list(entry.cpu)
             state.block_array = np.asarray(entry.gpu, dtype=np.int32)
         t_prepare = time.perf_counter()
-        launched = self._launch_batch(plan, t_start)
+        try:
+            launched = self._launch_batch(plan, t_start)
+        finally:
+            if plan.kv_moves:
+                # NOTE: only now, behind the step's own input copies (see PagedKVCache.swapping).
+                self._cache.flush_swaps()
         launched.swap_bytes = swap_bytes
         launched.prepare_s = max(0.0, t_prepare - t_start - swap_s)
         launched.swap_s = None if plan.kv_moves and cuda else swap_s

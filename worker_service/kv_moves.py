@@ -11,15 +11,19 @@ from sluice.contract.plan import KVMove, KVMoveKind
 
 
 def apply_kv_moves(
-    cache: PagedKVCache, moves: Iterable[KVMove], sync: Callable[[], None] | None = None
+    cache: PagedKVCache,
+    moves: Iterable[KVMove],
+    sync: Callable[[], None] | None = None,
+    defer_copies: bool = False,
 ) -> tuple[float, int]:
     """Runs the moves in plan order inside one swapping section; returns (seconds, bytes moved).
-    `sync` waits for the device before the clock stops (CUDA copies are asynchronous)."""
+    `sync` waits for the device before the clock stops (CUDA copies are asynchronous);
+    `defer_copies` leaves the swap-outs' device-to-host copies to `cache.flush_swaps()`."""
     moves = list(moves)
     if not moves:
         return 0.0, 0
     start, moved = time.perf_counter(), 0
-    with cache.swapping():
+    with cache.swapping(defer_copies):
         for m in moves:
             if m.kind is KVMoveKind.SWAP_OUT:
                 moved += cache.swap_out(m.src_block_ids, m.dst_block_ids, m.int8)
