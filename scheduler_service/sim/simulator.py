@@ -44,6 +44,7 @@ from scheduler_service.core.slo import NO_SLO
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.sim.executor import SIM_EOS, SimulatedExecutor
 from scheduler_service.sim.network import NETWORKS, gpu_family, load_network
+from scheduler_service.sim.swap_costs import swap_costs
 from scheduler_service.sim.transfer import SimulatedTransfers
 from scheduler_service.sim.workloads.base import TraceRequest, Workload
 from sluice.common.config import cli_name, opt
@@ -96,6 +97,11 @@ class SimConfig:
     # swaps waits for the copies before its forward pass.
     swap_copy_overhead_s: float = opt(0.0, "seconds per KV copy call of a swap (2 x layers calls per block)")
     swap_stall_s: float = opt(0.0, "seconds a step that swaps stalls beyond its copies")
+    swap_costs: str = opt(
+        "",
+        "named swap pricing that sets --swap-copy-overhead-s and --swap-stall-s: vllm-v0 (assumed), "
+        "sluice-h100 (measured on an H100) or none (scheduler_service/sim/swap_costs.py)",
+    )
     prefix_caching: bool = opt(True, "automatic prefix caching: reuse the KV of full blocks a request shares")
     # Disaggregated prefill and decode (cluster/disagg.py): prefill-only and decode-only pools.
     prefill_workers: int = opt(
@@ -132,6 +138,10 @@ class SimConfig:
         ):
             at_least(self, name, 0)
         at_least(self, "decode_workers", 0)
+        if self.swap_costs:
+            swap_costs(self.swap_costs)  # a clear error for an unknown name
+            if self.swap_copy_overhead_s or self.swap_stall_s:
+                raise ValueError("--swap-costs sets --swap-copy-overhead-s and --swap-stall-s: give one or the other")
         if (self.prefill_workers > 0) != (self.decode_workers > 0):
             got = f"got {self.prefill_workers} and {self.decode_workers}"
             raise ValueError(f"--prefill-workers and --decode-workers go together, {got}")
@@ -180,6 +190,14 @@ class SimRun:
         }
 
 
+def swap_pricing(config: SimConfig, num_layers: int) -> tuple[float, float]:
+    """(seconds per block moved beyond its bytes, seconds per step that swaps) for the executor."""
+    if config.swap_costs:
+        named = swap_costs(config.swap_costs)
+        return named.copy_overhead_s * 2 * num_layers, named.stall_s
+    return config.swap_copy_overhead_s * 2 * num_layers, config.swap_stall_s
+
+
 class Simulation:
     def __init__(
         self,
@@ -213,7 +231,7 @@ class Simulation:
                 self.truth,
                 config.overlap_swap,
                 overhead=(config.step_overhead_s, config.seq_overhead_s),
-                swap_costs=(config.swap_copy_overhead_s * 2 * cost_model.model.num_layers, config.swap_stall_s),
+                swap_costs=swap_pricing(config, cost_model.model.num_layers),
             )
             for w in self.cluster.schedulers
         }

@@ -139,6 +139,23 @@ def test_swap_costs_add_a_per_block_copy_cost_and_a_stall_to_each_swapping_step(
     )
     assert cheap.details["swap_bytes"] > 0
     assert costly.metrics["jct_s"]["mean"] > cheap.metrics["jct_s"]["mean"]
+
+
+def test_named_swap_costs_price_as_their_numbers_and_the_measured_worker_swaps_cheaper(cost_model: CostModel) -> None:
+    one = apply_arrivals(load_trace("sharegpt", num_requests=40), "poisson", rate=50.0, seed=0)
+    swap = {"policy": "vllm:preemption_mode=swap", "kv_gb": 2.0}
+    by_hand = simulate(SimConfig(**swap, swap_copy_overhead_s=5e-6, swap_stall_s=1e-3), one, cost_model)
+    named = simulate(SimConfig(**swap, swap_costs="vllm-v0"), one, cost_model)
+    measured = simulate(SimConfig(**swap, swap_costs="sluice-h100"), one, cost_model)
+    free = simulate(SimConfig(**swap, swap_costs="none"), one, cost_model)
+    assert named.metrics["jct_s"] == by_hand.metrics["jct_s"]
+    assert free.metrics["jct_s"]["mean"] < measured.metrics["jct_s"]["mean"] < named.metrics["jct_s"]["mean"]
+    with pytest.raises(ValueError, match="--swap-costs must be one of"):
+        SimConfig(**swap, swap_costs="h100").validate()
+    with pytest.raises(ValueError, match="give one or the other"):
+        SimConfig(**swap, swap_costs="vllm-v0", swap_stall_s=1e-3).validate()
+
+
 def test_overlap_hides_the_cpu_overhead_behind_the_previous_step(cost_model: CostModel) -> None:
     """Overlapped scheduling: each step is planned while the previous one runs, so a CPU
     overhead shorter than a step costs only the first step from idle; one extra step (planned
