@@ -11,7 +11,7 @@ Vidur-profile models priced at the very same shapes.
 GPU grid's shapes priced by that model. It checks the fitted model's form (can its features
 follow a GPU's step times?), not our worker: that takes a measured profile.
 
-    python benchmarks/costmodel_gpu_fit.py --profile docs/profiles/h100-llama-3-8b.json
+    python benchmarks/costmodel_gpu_fit.py --profile docs/results/data/gpu_h100_profile_llama-3-8b.json
     python benchmarks/costmodel_gpu_fit.py --proxy analytic --model llama-3-8b
 """
 
