@@ -2,7 +2,7 @@
 cost model fitted to those workers' own `sluice profile`; per-request JCT and TTFT error.
 
     sluice profile --model tiny-llama --quick --threads T --out PROFILE    (skipped with --profile)
-    K worker processes (`sluice worker`, torch engine, tiny-llama, T threads each)
+    K worker processes (`sluice worker`, --engine torch|vllm, tiny-llama, T threads each)
     workload: a slice of a shared trace, lengths scaled to the tiny model, Poisson arrivals
     live:  LiveScheduler + SchedulerServer in this process, the bench client sends every request
            at its arrival -> per request: sent time, first and last token times (client side)
@@ -56,7 +56,8 @@ BLOCK_SIZE = 16
 
 def make_profile(path: Path, args: argparse.Namespace) -> None:
     grid = ["--quick"] if args.device == "cpu" else ["--grid", "gpu"]
-    cmd = [sys.executable, "-m", "services.cli", "profile", "--model", args.model, *grid, "--no-progress"]
+    cmd = [sys.executable, "-m", "services.cli", "profile", "--engine", args.engine, "--model", args.model, *grid]
+    cmd.append("--no-progress")
     cmd += ["--device", args.device, "--threads", str(args.threads), "--out", str(path)]
     print("profiling:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
@@ -110,24 +111,31 @@ async def run_live(
     return records, [s for loop in live.loops.values() for s in loop.step_log]
 
 
-def fit_overhead(steps: StepLog, cost_model: FittedCostModel) -> tuple[float, float]:
+def fit_overhead(steps: StepLog, cost_model: FittedCostModel, new_seqs: bool = True) -> tuple[float, float, float]:
     """Least squares of what a live step costs beyond the cost model's price for its shape
     (scheduling, transport, streaming, and the worker's own serving overhead) = a + b x
-    sequences: the simulator's CPU-overhead model (Vidur models the same terms). Steps the
-    OS preempted (the slowest 5% of residuals) are left out: they are noise, not overhead."""
+    sequences + c x sequences whose prefill starts (a chunk with no computed context: their
+    admission into the engine): the simulator's CPU-overhead model (Vidur models the first two
+    terms). Steps the OS preempted (the slowest 5% of residuals) are left out: they are noise,
+    not overhead. `new_seqs=False` fits the first two terms only (Vidur's form)."""
     seqs = np.array([s[0] for s in steps], dtype=float)
+    fresh = np.array(
+        [sum(1 for _, prefix in shape.prefill_chunks if prefix == 0) if shape else 0 for *_, shape in steps],
+        dtype=float,
+    )
     extra = np.array([wall - cost_model.iteration_time(shape) for _, wall, _, shape in steps])
     keep = extra <= np.percentile(extra, 95)
-    design = np.stack([np.ones_like(seqs), seqs], axis=1)[keep]
-    (a, b), *_ = np.linalg.lstsq(design, extra[keep], rcond=None)
-    return max(float(a), 0.0), max(float(b), 0.0)
+    columns = [np.ones_like(seqs), seqs, fresh] if new_seqs else [np.ones_like(seqs), seqs]
+    coef, *_ = np.linalg.lstsq(np.stack(columns, axis=1)[keep], extra[keep], rcond=None)
+    a, b, c = (*coef, 0.0)[:3]
+    return max(float(a), 0.0), max(float(b), 0.0), max(float(c), 0.0)
 
 
 def run_sim(
     records: list[RequestRecord],
     cost_model: FittedCostModel,
     args: argparse.Namespace,
-    overhead: tuple[float, float] = (0.0, 0.0),
+    overhead: tuple[float, float, float] = (0.0, 0.0, 0.0),
 ) -> dict[str, tuple]:
     """Per request id: (TTFT, JCT) in the simulator, with the arrival times of the live run."""
     t0 = min(r.sent_s for r in records)
@@ -149,6 +157,7 @@ def run_sim(
         length_source="max_tokens",
         step_overhead_s=overhead[0],
         seq_overhead_s=overhead[1],
+        new_seq_overhead_s=overhead[2],
         # NOTE: pipelined as the live loop is. Under overlap the overhead is fitted to what live
         # steps still showed (wall minus the cost model's price): it is already the part overlap
         # did not hide, so the simulator must not hide it again.
@@ -180,25 +189,31 @@ def errors(live: dict[str, tuple], sim: dict[str, tuple], index: int) -> np.ndar
 
 def report(result: dict, args: argparse.Namespace) -> str:
     live = result["live"]
-    a, b = result["overhead"]
+    a, b, c = (*result["overhead"], 0.0)[:3]
 
     def p50(d: dict[str, tuple], i: int) -> float:
         return statistics.median(v[i] for v in d.values()) * 1e3
 
     lines = [
         f"workload: {args.trace}, {args.num_requests} requests, Poisson {args.rate} req/s, policy {args.policy}, "
-        f"{args.workers} {args.model} worker(s) on {args.device} ({args.dtype}, {args.threads} thread(s)), "
+        f"{args.workers} {args.model} worker(s), {args.engine} engine, on {args.device} ({args.dtype}, "
+        f"{args.threads} thread(s)), "
         f"{args.num_gpu_blocks} KV blocks each",
         f"fitted cost model: step MAPE {result['fit_mape']:.1%} on its own profile",
         f"CPU overhead model, calibrated on the next {args.calibration_requests} requests of the trace: "
-        f"{a * 1e3:.3f} ms per step "
-        f"+ {b * 1e3:.3f} ms per sequence",
+        f"{a * 1e3:.3f} ms per step + {b * 1e3:.3f} ms per sequence + {c * 1e3:.3f} ms per sequence whose "
+        "prefill starts",
         f"requests compared: {len(live)}",
         "",
         "| simulator | metric | live p50 ms | sim p50 ms | median abs error | p90 abs error |",
         "|---|---|---|---|---|---|",
     ]
-    for name, key in (("cost model only", "sim_model_only"), ("cost model + CPU overhead", "sim")):
+    rows = (
+        ("cost model only", "sim_model_only"),
+        ("cost model + CPU overhead per step and sequence", "sim_two_terms"),
+        ("cost model + CPU overhead, also per new sequence", "sim"),
+    )
+    for name, key in [(n, k) for n, k in rows if k in result]:
         sim = result[key]
         for metric, i in (("JCT", 1), ("TTFT", 0)):
             e = errors(live, sim, i)
@@ -230,7 +245,9 @@ async def main_async(args: argparse.Namespace, profile: Path) -> dict:
     cost_model = FittedCostModel.from_file(profile)
     extra = ("--num-gpu-blocks", str(args.num_gpu_blocks), "--device", args.device, "--dtype", args.dtype)
     workers = [
-        spawn_worker(engine="torch", model=args.model, worker_id=w, threads=args.threads, extra=extra, timeout_s=300)
+        spawn_worker(
+            engine=args.engine, model=args.model, worker_id=w, threads=args.threads, extra=extra, timeout_s=300
+        )
         for w in range(args.workers)
     ]
     addresses = [w.address for w in workers]
@@ -243,12 +260,15 @@ async def main_async(args: argparse.Namespace, profile: Path) -> dict:
         for w in workers:
             w.stop()
     overhead = fit_overhead(calibration_steps, cost_model)
+    two_terms = fit_overhead(calibration_steps, cost_model, new_seqs=False)
     live = {r.request.request_id: (r.token_times[0] - r.sent_s, r.token_times[-1] - r.sent_s) for r in done}
     return {
         "live": live,
         "sim_model_only": run_sim(done, cost_model, args),
+        "sim_two_terms": run_sim(done, cost_model, args, two_terms),
         "sim": run_sim(done, cost_model, args, overhead),
         "overhead": overhead,
+        "overhead_two_terms": two_terms,
         "fit_mape": cost_model.fit_report().mape,
     }
 
@@ -258,6 +278,9 @@ def main() -> int:
     p.add_argument("--profile", help="an existing `sluice profile` JSON of --model on this machine")
     p.add_argument("--model", default="tiny-llama", help="dummy preset the workers run")
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--engine", default="torch", choices=("torch", "vllm"), help="the workers' engine (and the profile's)"
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--target", type=float, default=0.15, help="median absolute JCT error to meet")

@@ -9,8 +9,9 @@ padding: prefill rows at the padded length, decode rows at the padded context.
 KV swaps are priced over PCIe, plus a cost per block moved and a stall per step that swaps
 (`swap_copy_overhead_s`, `swap_stall_s`); int8 halves the bytes (ALISE), and `overlap_swap`
 hides them behind compute as an engine with a copy stream does. An optional CPU-overhead model
-(a fixed cost per step plus one per scheduled sequence) adds what the serving stack spends
-outside the model, calibrated from a live run's step log.
+(a fixed cost per step, one per scheduled sequence and one per sequence whose prefill starts
+in the step) adds what the serving stack spends outside the model, calibrated from a live
+run's step log.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ class SimulatedExecutor:
         bytes_per_block: int,
         truth: dict[str, int],
         overlap_swap: bool = False,
-        overhead: tuple[float, float] = (0.0, 0.0),
+        overhead: tuple[float, ...] = (0.0, 0.0, 0.0),
         swap_costs: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.cost_model = cost_model
         # seconds per block moved beyond its bytes, and per step that swaps (see SimConfig)
         self.swap_block_s, self.swap_stall_s = swap_costs
-        self.step_overhead_s, self.seq_overhead_s = overhead
+        # per step, per scheduled sequence, per sequence whose prefill starts in the step
+        self.step_overhead_s, self.seq_overhead_s, self.new_seq_overhead_s = (*overhead, 0.0, 0.0)[:3]
         self.bytes_per_block = bytes_per_block
         self.truth = truth  # request id -> true output length (shared with the simulator)
         self.overlap_swap = overlap_swap
@@ -61,12 +63,14 @@ class SimulatedExecutor:
         # A static batch's live rows decode at the padded context, not their own (every row
         # of a padded batch is as long as its longest input).
         padded_ctx = int(plan.metadata.get("padded_context", 0)) if plan.metadata else 0
+        fresh = 0
         for rid, n in plan.num_scheduled_tokens.items():
             ctx = computed[rid]
             if n == 1 and ctx > 0:
                 shape.add_decode(max(ctx + 1, padded_ctx))
             else:
                 chunks.append((padded, 0) if padded else (n, ctx))
+                fresh += ctx == 0
             computed[rid] = ctx + n
         if plan.metadata.get("invalid_tokens"):
             shape.num_decodes += int(plan.metadata["invalid_tokens"])
@@ -79,7 +83,11 @@ class SimulatedExecutor:
         total = max(compute_s, swap_s) if self.overlap_swap else compute_s + swap_s
         overhead = 0.0
         if shape.num_seqs:
-            overhead = self.step_overhead_s + self.seq_overhead_s * len(plan.num_scheduled_tokens)
+            overhead = (
+                self.step_overhead_s
+                + self.seq_overhead_s * len(plan.num_scheduled_tokens)
+                + self.new_seq_overhead_s * fresh
+            )
         total += overhead
         self.last_overhead_s = overhead
         return StepResult(

@@ -78,7 +78,8 @@ class SimConfig:
     max_waiting: int = opt(1_000_000, "bound of each worker's waiting queue")
     overlap_swap: bool = opt(False, "swaps run on their own stream and overlap the forward pass")
     # CPU time of the serving stack per step outside the model (scheduling, transport,
-    # streaming), as Vidur's optional CPU overheads: step_overhead_s + seq_overhead_s x seqs.
+    # streaming), as Vidur's optional CPU overheads: step_overhead_s + seq_overhead_s x seqs, plus
+    # new_seq_overhead_s for each sequence whose prefill starts in the step.
     step_overhead_s: float = opt(0.0, "serving-stack CPU time per step outside the model")
     overlap: bool = opt(
         False,
@@ -86,6 +87,9 @@ class SimConfig:
         "current one runs, so the CPU overhead hides behind the previous step's execution",
     )
     seq_overhead_s: float = opt(0.0, "serving-stack CPU time per scheduled sequence")
+    new_seq_overhead_s: float = opt(
+        0.0, "serving-stack CPU time per sequence whose prefill starts in the step (its admission into the engine)"
+    )
     overlap_hides_overhead: bool = opt(
         True,
         "with --overlap the CPU overhead runs while the previous step does (the scheduler's share); "
@@ -132,6 +136,7 @@ class SimConfig:
             "length_error",
             "step_overhead_s",
             "seq_overhead_s",
+            "new_seq_overhead_s",
             "swap_copy_overhead_s",
             "swap_stall_s",
             "prefill_workers",
@@ -230,7 +235,7 @@ class Simulation:
                 bytes_per_block,
                 self.truth,
                 config.overlap_swap,
-                overhead=(config.step_overhead_s, config.seq_overhead_s),
+                overhead=(config.step_overhead_s, config.seq_overhead_s, config.new_seq_overhead_s),
                 swap_costs=swap_pricing(config, cost_model.model.num_layers),
             )
             for w in self.cluster.schedulers

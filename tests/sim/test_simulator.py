@@ -117,6 +117,19 @@ def test_cpu_overhead_model_adds_its_cost_to_every_step(cost_model: CostModel) -
     assert abs(extra - steps * 0.003) < 1e-6
 
 
+def test_new_sequence_overhead_is_paid_once_per_prefill_that_starts(cost_model: CostModel) -> None:
+    """The per-new-sequence term prices a request's admission into the engine: once, in the
+    step its prefill starts, not in its later chunks or decodes."""
+    one = apply_arrivals(load_trace("sharegpt", num_requests=1), "poisson", rate=1.0, seed=0)
+    assert one.requests[0].prompt_tokens > 32  # a prefill of several chunks
+    policy = "sarathi:budget=32"
+    base = simulate(SimConfig(policy=policy), one, cost_model)
+    admitted = simulate(SimConfig(policy=policy, new_seq_overhead_s=0.005), one, cost_model)
+    assert admitted.details["num_steps"] == base.details["num_steps"] > 2
+    for metric in ("ttft_s", "jct_s"):
+        assert admitted.metrics[metric]["p50"] - base.metrics[metric]["p50"] == pytest.approx(0.005, abs=1e-9)
+
+
 def test_swap_costs_add_a_per_block_copy_cost_and_a_stall_to_each_swapping_step(cost_model: CostModel) -> None:
     from scheduler_service.sim.executor import SimulatedExecutor
     from sluice.contract.plan import CachedRequestData, KVMove, KVMoveKind, StepPlan
