@@ -14,10 +14,9 @@ an executor:
     cluster.pop_ended()                   every request that ended since the last call
 
 Offline-class requests (spec.max_offline_waiting > 0, colocated clusters) wait in the
-cluster's offline queue instead (core/offline.py): a worker takes them in `plan_step` while no
-online request waits there and its online requests leave room (`offline_room`, the driver's
-rule), and an online request placed on a worker sends the offline ones that must give
-way back to the queue's head.
+cluster's offline queue instead (core/offline.py): a worker takes them in `plan_step`, behind
+its online requests, into the room these leave (`offline_room`, the driver's rule); an online
+request placed on a worker sends the offline ones that must give way back to the queue's head.
 
 Requests that leave a worker unfinished (a policy returned them, their worker died) go back
 through the router (offline ones to the offline queue). Every request that ends after its
@@ -70,6 +69,7 @@ class Cluster:
         queued = spec.max_offline_waiting > 0 and not spec.disaggregated
         self.offline = OfflineQueue(spec.max_offline_waiting) if queued else None
         self.offline_room: OfflineRoom = self._every_seat  # the driver may set its own rule
+        self._offline_placed: dict[int, set[str]] = {}  # worker -> ids of offline requests placed there
 
     # ------------------------------------------------------------------ intake
     def submit(self, request: Request, now: float, admit: Admission | None = None) -> RejectReason | None:
@@ -271,6 +271,17 @@ class Cluster:
         due = [t for t in times if t is not None]
         return min(due) if due else None
 
+    def holds_offline(self, worker: int) -> bool:
+        """Whether offline requests from the offline queue are on the worker (O(1) when none are:
+        online admission and placement ask it for every request)."""
+        placed = self._offline_placed.get(worker)
+        if not placed:
+            return False
+        requests = self.schedulers[worker].requests
+        if len(placed) > 2 * len(requests):
+            placed &= requests.keys()  # NOTE: those that ended or moved drop out, now and then
+        return any(rid in requests for rid in placed)
+
     def has_work(self, worker: int) -> bool:
         sched = self.schedulers[worker]
         if sched.has_work:
@@ -349,13 +360,18 @@ class Cluster:
         queue = self.offline
         if queue is None or not self.healthy[worker]:
             return
+        placed = self._offline_placed.setdefault(worker, set())
         for _ in range(to_place(self.schedulers[worker], queue, self.offline_room(worker))):
-            self._place_or_end(queue.pop(), worker, now)
+            request = queue.pop()
+            placed.add(request.request_id)
+            self._place_or_end(request, worker, now)
 
     def _yield_offline(self, worker: int, now: float) -> None:
         """An online request was placed on the worker: its offline requests that must give way
         go back to the offline queue's head (core/offline.py)."""
         assert self.offline is not None
+        if not self.holds_offline(worker):
+            return
         sched = self.schedulers[worker]
         out = yielding(sched, self.offline_room(worker).seats)
         for request in out:

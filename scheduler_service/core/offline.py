@@ -4,8 +4,9 @@ every policy (the policies stay as they are, and see offline work only when it i
     OfflineQueue      offline requests not yet on a worker, FIFO, bounded by its own max_size
     Room              what a worker's online requests leave idle: seats, and the prompt tokens
                       one step can add without stretching it past their TBT
-    to_place()        how many of the queue's head the worker takes now: none while an online
-                      request waits there, else as many as its room holds
+    to_place()        how many of the queue's head the worker takes now, before its next plan:
+                      as many as its room holds beside the online requests there (waiting ones
+                      included, which stay ahead of them in the worker's queue)
     yielding()        what gives way when an online request is placed on a worker: every
                       offline request still waiting there (it has computed nothing), then the
                       held ones that computed least, until the worker holds at most its seats
@@ -16,9 +17,9 @@ TBT to keep). The prompt tokens bound matters as much as the seats: a step is ne
 so an online request that arrives while the worker computes a lump of offline prompts waits
 for that step whatever it is.
 
-So an online request is never queued behind an offline one: offline work is placed only when
-no online request waits on that worker, and a placed offline request that has not started
-goes back to the queue's head when one arrives. Offline requests have no latency SLO to miss
+So an online request is never queued behind an offline one: offline work is placed behind the
+online requests a worker holds, and a placed offline request that has not started goes back to
+the queue's head when an online one arrives. Offline requests have no latency SLO to miss
 (at most a loose JCT), so they are never refused for one: only the queue's bound refuses them.
 Online admission estimates the worker without its offline requests, since these yield.
 Pure: no clock, no I/O.
@@ -94,16 +95,13 @@ def to_place(sched: Scheduler, queue: Iterable[Request], room: Room) -> int:
     """How many requests from the head of `queue` the worker takes now: within its seats
     (and max_num_seqs) and its room for prompt tokens, of which the first request alone may
     exceed it when no online request is there (else a long prompt would never be placed)."""
-    if any(not is_offline(r) for r in sched.waiting.values()):
-        return 0
     seats = min(room.seats, sched.config.max_num_seqs) - len(sched.requests)
-    alone = all(is_offline(r) for r in sched.requests.values())
     count = tokens = 0
     for request in queue:
         if count >= seats:
             break
         tokens += request.num_tokens_to_compute
-        if tokens > room.prompt_tokens and (count or not alone):
+        if tokens > room.prompt_tokens and (count or not all(is_offline(r) for r in sched.requests.values())):
             break
         count += 1
     return count

@@ -496,7 +496,7 @@ class LiveScheduler:
                 self.cluster.schedulers[worker],
                 self.loops[worker].in_flight_tokens(),
                 fit.prefill_per_step,
-                without_offline=self.cluster.offline is not None,
+                without_offline=self.cluster.holds_offline(worker),
             )
             prompt, output = request.num_tokens_to_compute, request.remaining_output_estimate
             decision = decide_cold(view, fit) or decide(
