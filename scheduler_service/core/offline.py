@@ -114,7 +114,9 @@ def yielding(sched: Scheduler, seats: int) -> list[Request]:
     excess = len(sched.requests) - len(out) - max(0, seats)
     if excess > 0:
         held = [r for r in (*sched.running.values(), *sched.swapped.values(), *sched.kept.values()) if is_offline(r)]
-        # NOTE: the least computed first: the least work is redone when it comes back
+        # NOTE: the least computed first (the least work is redone when it comes back), of
+        # those alike the one placed last
+        held.reverse()
         held.sort(key=lambda r: r.num_computed_tokens)
         out += held[:excess]
     return out
