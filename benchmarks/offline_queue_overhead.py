@@ -12,10 +12,11 @@ requests per step for `--steps` steps (64-token prompts, 32 output tokens):
                while the queue is not empty) and yields it back; off, the offline requests
                wait in the workers' queues and the policy walks them
 
-per cell: CPU seconds of the whole drive (time.thread_time) and per step; the ratio on/off;
-`--rounds` repeats everything interleaved (medians over rounds).
+per cell: CPU seconds of the whole drive (time.thread_time) and per step (medians over rounds);
+the ratio on/off of each round (on and off run next to each other, in alternating order) and
+their median; `--rounds` repeats everything.
 
-    python benchmarks/offline_queue_overhead.py [--steps 2000] [--arrivals 4] [--backlog 10000] [--rounds 3]
+    python benchmarks/offline_queue_overhead.py [--steps 2000] [--arrivals 4] [--backlog 10000] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--arrivals", type=int, default=4, help="online requests submitted per step")
     p.add_argument("--backlog", type=int, default=10_000, help="offline requests submitted first (backlog cells)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
     cells = {"online": 0, "backlog": args.backlog}
@@ -99,8 +100,13 @@ def main() -> None:
         "cpu_s": {k: round(statistics.median(v), 3) for k, v in times.items()},
         "cpu_ms_per_step": {k: round(statistics.median(v) / args.steps * 1e3, 4) for k, v in times.items()},
         "finished": done,
+        # NOTE: each round's own ratio (its on and off ran next to each other), then the median
         "ratio_on_off": {
-            c: round(statistics.median(times[f"{c}/on"]) / statistics.median(times[f"{c}/off"]), 3) for c in cells
+            c: round(statistics.median(a / b for a, b in zip(times[f"{c}/on"], times[f"{c}/off"], strict=True)), 3)
+            for c in cells
+        },
+        "ratio_on_off_rounds": {
+            c: [round(a / b, 3) for a, b in zip(times[f"{c}/on"], times[f"{c}/off"], strict=True)] for c in cells
         },
     }
     print(json.dumps(figures, indent=2))

@@ -69,7 +69,8 @@ class Cluster:
         queued = spec.max_offline_waiting > 0 and not spec.disaggregated
         self.offline = OfflineQueue(spec.max_offline_waiting) if queued else None
         self.offline_room: OfflineRoom = self._every_seat  # the driver may set its own rule
-        self._offline_placed: dict[int, set[str]] = {}  # worker -> ids of offline requests placed there
+        # worker -> ids of the offline requests placed there, in placement order (a dict as an ordered set)
+        self._offline_placed: dict[int, dict[str, None]] = {}
 
     # ------------------------------------------------------------------ intake
     def submit(self, request: Request, now: float, admit: Admission | None = None) -> RejectReason | None:
@@ -279,8 +280,12 @@ class Cluster:
             return False
         requests = self.schedulers[worker].requests
         if len(placed) > 2 * len(requests):
-            placed &= requests.keys()  # NOTE: those that ended or moved drop out, now and then
-        return any(rid in requests for rid in placed)
+            # NOTE: those that ended or moved drop out, now and then
+            placed = self._offline_placed[worker] = {rid: None for rid in placed if rid in requests}
+        # NOTE: the first placed mostly end first: ids that left are dropped from the front
+        while placed and (first := next(iter(placed))) not in requests:
+            del placed[first]
+        return bool(placed)
 
     def has_work(self, worker: int) -> bool:
         sched = self.schedulers[worker]
@@ -360,10 +365,11 @@ class Cluster:
         queue = self.offline
         if queue is None or not self.healthy[worker]:
             return
-        placed = self._offline_placed.setdefault(worker, set())
+        placed = self._offline_placed.setdefault(worker, {})
         for _ in range(to_place(self.schedulers[worker], queue, self.offline_room(worker))):
             request = queue.pop()
-            placed.add(request.request_id)
+            placed.pop(request.request_id, None)
+            placed[request.request_id] = None
             self._place_or_end(request, worker, now)
 
     def _yield_offline(self, worker: int, now: float) -> None:
@@ -373,7 +379,7 @@ class Cluster:
         if not self.holds_offline(worker):
             return
         sched = self.schedulers[worker]
-        out = yielding(sched, self.offline_room(worker).seats)
+        out = yielding(sched, self.offline_room(worker).seats, self._offline_placed[worker])
         for request in out:
             sched.withdraw(request, now)
             self._router.on_request_left(request, worker, now)

@@ -107,13 +107,17 @@ def to_place(sched: Scheduler, queue: Iterable[Request], room: Room) -> int:
     return count
 
 
-def yielding(sched: Scheduler, seats: int) -> list[Request]:
+def yielding(sched: Scheduler, seats: int, offline_ids: Iterable[str]) -> list[Request]:
     """The offline requests on the worker that give way to the online ones there (module
-    docstring): the waiting ones, then the held ones that computed least, down to `seats`."""
-    out = [r for r in sched.waiting.values() if is_offline(r)]
-    excess = len(sched.requests) - len(out) - max(0, seats)
+    docstring): the waiting ones, then the held ones that computed least, down to `seats`.
+    `offline_ids`: the ids of the offline requests placed on the worker (others are skipped),
+    so that the online ones are never walked."""
+    requests, waiting = sched.requests, sched.waiting
+    mine = [r for rid in offline_ids if (r := requests.get(rid)) is not None]
+    out = [r for r in mine if r.request_id in waiting]
+    excess = len(requests) - len(out) - max(0, seats)
     if excess > 0:
-        held = [r for r in (*sched.running.values(), *sched.swapped.values(), *sched.kept.values()) if is_offline(r)]
+        held = [r for r in mine if r.request_id not in waiting]
         # NOTE: the least computed first (the least work is redone when it comes back), of
         # those alike the one placed last
         held.reverse()
