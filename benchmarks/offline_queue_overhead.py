@@ -12,8 +12,9 @@ requests per step for `--steps` steps (64-token prompts, 32 output tokens):
                while the queue is not empty) and yields it back; off, the offline requests
                wait in the workers' queues and the policy walks them
 
-per cell: CPU seconds of the whole drive (time.thread_time) and per step (medians over rounds);
-the ratio on/off of each round (on and off run next to each other, in alternating order) and
+per cell: the mean TTFT of the online requests that finished, and how many did (simulated time,
+20 ms a step: what the queue is for); CPU seconds of the whole drive (time.thread_time) and per
+step (medians over rounds); the ratio on/off of each round (on and off run next to each other, in alternating order) and
 their median; `--rounds` repeats everything.
 
     python benchmarks/offline_queue_overhead.py [--steps 2000] [--arrivals 4] [--backlog 10000] [--rounds 5]
@@ -38,8 +39,11 @@ OFFLINE = SLOSpec(slo_class=SLOClass.OFFLINE)
 STEP_S = 0.02
 
 
-def drive(policy: str, max_offline_waiting: int, steps: int, arrivals: int, backlog: int) -> tuple[float, int]:
-    """CPU seconds of the whole drive, and the requests that finished."""
+def drive(
+    policy: str, max_offline_waiting: int, steps: int, arrivals: int, backlog: int
+) -> tuple[float, int, float, int]:
+    """CPU seconds of the whole drive, the requests that finished, the mean TTFT of the online
+    ones that finished (simulated seconds, STEP_S a step), and how many of them finished."""
     spec = ClusterSpec(
         policy=policy,
         workers=(WorkerSpec(20_000, 1024, 16), WorkerSpec(20_000, 1024, 16)),
@@ -58,7 +62,7 @@ def drive(policy: str, max_offline_waiting: int, steps: int, arrivals: int, back
     start = time.thread_time()
     for i in range(backlog):
         cluster.submit(request(f"off{i}", OFFLINE, 0.0), 0.0)
-    finished = 0
+    finished, online_ttft = 0, []
     for k in range(steps):
         now = k * STEP_S
         for j in range(arrivals):
@@ -67,8 +71,11 @@ def drive(policy: str, max_offline_waiting: int, steps: int, arrivals: int, back
             plan = cluster.plan_step(w, now)
             if plan is not None:
                 result = StepResult(plan.step_id, dict.fromkeys(plan.sample_ids, 7), total_s=STEP_S)
-                finished += len(cluster.complete_step(w, result, now + STEP_S).finished)
-    return time.thread_time() - start, finished
+                ended = cluster.complete_step(w, result, now + STEP_S).finished
+                finished += len(ended)
+                online_ttft += [r.first_token_time - r.arrival_time for r in ended if r.request_id.startswith("on")]
+    seconds = time.thread_time() - start
+    return seconds, finished, statistics.fmean(online_ttft) if online_ttft else 0.0, len(online_ttft)
 
 
 def main() -> None:
@@ -84,14 +91,18 @@ def main() -> None:
     modes = {"on": 4096 if args.backlog <= 4096 else args.backlog, "off": 0}
     times: dict[str, list[float]] = {f"{c}/{m}": [] for c in cells for m in modes}
     done: dict[str, int] = {}
+    ttft: dict[str, list[float]] = {}
     for r in range(args.rounds):
         for cell, backlog in cells.items():
             order = list(modes.items()) if r % 2 == 0 else list(reversed(modes.items()))
             for mode, bound in order:
-                seconds, finished = drive(args.policy, bound, args.steps, args.arrivals, backlog)
+                seconds, finished, online_ttft, online_done = drive(
+                    args.policy, bound, args.steps, args.arrivals, backlog
+                )
                 times[f"{cell}/{mode}"].append(seconds)
                 done[f"{cell}/{mode}"] = finished
-                print(f"round {r} {cell}/{mode}: {seconds:.3f} s CPU, {finished} finished")
+                ttft[f"{cell}/{mode}"] = [round(online_ttft, 3), online_done]
+                print(f"round {r} {cell}/{mode}: {seconds:.3f} s CPU, {finished} finished ({online_done} online)")
     figures = {
         "policy": args.policy,
         "steps": args.steps,
@@ -100,6 +111,8 @@ def main() -> None:
         "cpu_s": {k: round(statistics.median(v), 3) for k, v in times.items()},
         "cpu_ms_per_step": {k: round(statistics.median(v) / args.steps * 1e3, 4) for k, v in times.items()},
         "finished": done,
+        # what the CPU buys: [mean TTFT of the online requests that finished (simulated s), how many]
+        "online_ttft_s_and_finished": ttft,
         # NOTE: each round's own ratio (its on and off ran next to each other), then the median
         "ratio_on_off": {
             c: round(statistics.median(a / b for a, b in zip(times[f"{c}/on"], times[f"{c}/off"], strict=True)), 3)
