@@ -410,6 +410,8 @@ class LiveScheduler:
             if reason is RejectReason.OFFLINE_QUEUE_FULL:
                 raise Rejected(reason, self._offline_full_message())
             raise Rejected(reason, request.finish_message or str(reason))
+        if request.slo.effective_class is SLOClass.ONLINE and (tbt_s := request.slo.tbt_s or self.config.tbt_slo_s):
+            self._last_tbt_s = tbt_s  # NOTE: an admitted one's: a refused request's SLO keeps nothing
         if self.predictor is not None:
             self.predictor.ask(request)
         self.cluster.release_held(now)
@@ -445,8 +447,9 @@ class LiveScheduler:
         until its speed is measured, COLD_SEQS requests (as admission holds online ones); then,
         with a TBT SLO to keep (the tightest of its online requests', else the last online
         request's: online traffic comes back, and a step is never cut short), the largest batch
-        whose step fits it within the admission headroom, and the prompt tokens a step can carry
-        beside the decodes and prompts already there; every seat when there is no TBT SLO."""
+        whose step fits it within the admission headroom (at least one seat when no online
+        request is there), and the prompt tokens a step can carry beside the decodes and prompts
+        already there; every seat when there is no TBT SLO."""
         sched, cfg, fit = self.cluster.schedulers[worker], self.config, self.speeds[worker]
         seats = sched.config.max_num_seqs
         if fit.num_samples < fit.min_samples:
@@ -460,6 +463,8 @@ class LiveScheduler:
         output = sum(max(1, r.num_output_tokens + r.remaining_output_estimate) for r in held)
         speed, budget_s = fit.speed(), tbt_s * cfg.admission_headroom
         batch = speed.max_batch(budget_s, prompt / output if held else 1.0)
+        if not tbts:
+            batch = max(1, batch)  # NOTE: no online request here to hold to it: offline work never stalls
         pending = sum(r.num_tokens_to_compute for r in held if r.is_prefill)
         return Room(min(seats, batch), max(0, speed.max_batch(budget_s) - len(held) - pending))
 
@@ -473,8 +478,6 @@ class LiveScheduler:
         the request's span and the admission counter."""
         slo, cfg = request.slo, self.config
         ttft_s, tbt_s = slo.ttft_s, slo.tbt_s or cfg.tbt_slo_s
-        if tbt_s is not None and slo.effective_class is SLOClass.ONLINE:
-            self._last_tbt_s = tbt_s
         why = (
             "offline_queue"
             if self.cluster.offline is not None and slo.effective_class is SLOClass.OFFLINE
