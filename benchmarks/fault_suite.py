@@ -122,6 +122,8 @@ async def slo_admission(args: argparse.Namespace) -> dict[str, Any]:
         sweep_seqs=[8, 16, 24],
         sweep_waiting=[1, 4, 16],
         seed=args.seed,
+        phases=["overload", "low"],
+        offline_load=1.0,
     )
     figures = await main_async(options)
     over, low = figures["overload"], figures["low_load"]

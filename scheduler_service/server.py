@@ -132,7 +132,8 @@ def queue_full_status(message: str, retry_after_s: float, reason: str = "QUEUE_F
     """RESOURCE_EXHAUSTED with RetryInfo and ErrorInfo details: gRPC itself answers
     RESOURCE_EXHAUSTED for oversized messages, so clients need the details to tell
     backpressure (retry later) from a request that will never fit. `reason`: QUEUE_FULL, or
-    SLO_UNMEETABLE (admission: its SLOs would be missed under the load there is now)."""
+    SLO_UNMEETABLE (admission: its SLOs would be missed under the load there is now), or
+    OFFLINE_QUEUE_FULL (an offline-class request beyond the offline queue's bound)."""
     retry = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(nanos=int(retry_after_s * 1e9)))
     info = error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN)
     return _status(code_pb2.RESOURCE_EXHAUSTED, message, retry, info)
@@ -150,6 +151,8 @@ async def abort_rejected(context: grpc.aio.ServicerContext, exc: Rejected, retry
         await context.abort_with_status(queue_full_status(str(exc), retry_after_s))
     if exc.reason is RejectReason.SLO_UNMEETABLE:
         await context.abort_with_status(queue_full_status(str(exc), retry_after_s, "SLO_UNMEETABLE"))
+    if exc.reason is RejectReason.OFFLINE_QUEUE_FULL:
+        await context.abort_with_status(queue_full_status(str(exc), retry_after_s, "OFFLINE_QUEUE_FULL"))
     if exc.reason is RejectReason.NO_WORKER:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     if exc.reason in (RejectReason.DUPLICATE_ID, RejectReason.PROMPT_TOO_LONG, RejectReason.EXCEEDS_KV_CAPACITY):
@@ -165,6 +168,7 @@ _REJECTED_CODES: dict[str, int] = {
     RejectReason.QUEUE_FULL: code_pb2.RESOURCE_EXHAUSTED,
     RejectReason.UNSCHEDULABLE: code_pb2.RESOURCE_EXHAUSTED,
     RejectReason.SLO_UNMEETABLE: code_pb2.RESOURCE_EXHAUSTED,
+    RejectReason.OFFLINE_QUEUE_FULL: code_pb2.RESOURCE_EXHAUSTED,
     RejectReason.PROMPT_TOO_LONG: code_pb2.INVALID_ARGUMENT,
     RejectReason.EXCEEDS_KV_CAPACITY: code_pb2.INVALID_ARGUMENT,
     RejectReason.DUPLICATE_ID: code_pb2.INVALID_ARGUMENT,

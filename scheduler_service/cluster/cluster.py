@@ -13,10 +13,15 @@ an executor:
                                           a removed worker's requests move as a lost one's do
     cluster.pop_ended()                   every request that ended since the last call
 
+Offline-class requests (spec.max_offline_waiting > 0, colocated clusters) wait in the
+cluster's offline queue instead (core/offline.py): a worker takes them in `plan_step`, behind
+its online requests, into the room these leave (`offline_room`, the driver's rule); an online
+request placed on a worker sends the offline ones that must give way back to the queue's head.
+
 Requests that leave a worker unfinished (a policy returned them, their worker died) go back
-through the router. Every request that ends after its submission was accepted comes out of
-`pop_ended` exactly once: finished, aborted, timed out, or rejected on re-routing. Nothing
-outside this class touches the router's pool.
+through the router (offline ones to the offline queue). Every request that ends after its
+submission was accepted comes out of `pop_ended` exactly once: finished, aborted, timed out, or
+rejected on re-routing. Nothing outside this class touches the router's pool or the offline queue.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import replace
 from kvstore.accounting import KVAccounting
 from scheduler_service.cluster.spec import ClusterSpec, WorkerSpec
 from scheduler_service.core.metrics import MetricsRecorder
+from scheduler_service.core.offline import OfflineQueue, Room, is_offline, to_place, yielding
 from scheduler_service.core.policy import build_policy
 from scheduler_service.core.preemption import RejectReason
 from scheduler_service.core.prefix import lookup_hashes
@@ -37,6 +43,8 @@ from sluice.contract.plan import KVTransfer, KVTransferResult, StepPlan, StepRes
 
 # Asked about the worker the router chose for a new request: None admits, a reason refuses.
 Admission = Callable[[Request, int], RejectReason | None]
+# What a worker's online requests leave idle for offline ones (core/offline.py).
+OfflineRoom = Callable[[int], Room]
 
 
 class Cluster:
@@ -58,6 +66,11 @@ class Cluster:
         self._timer = timer
         self._ended: list[Request] = []
         self._admit: Admission | None = None  # set during submit()
+        queued = spec.max_offline_waiting > 0 and not spec.disaggregated
+        self.offline = OfflineQueue(spec.max_offline_waiting) if queued else None
+        self.offline_room: OfflineRoom = self._every_seat  # the driver may set its own rule
+        # worker -> ids of the offline requests placed there, in placement order (a dict as an ordered set)
+        self._offline_placed: dict[int, dict[str, None]] = {}
 
     # ------------------------------------------------------------------ intake
     def submit(self, request: Request, now: float, admit: Admission | None = None) -> RejectReason | None:
@@ -66,6 +79,14 @@ class Cluster:
         chose before the request is placed there, and may refuse it (not for disaggregated
         clusters, whose placement is two-staged)."""
         self.spec.length_source.assign(request)
+        if self.offline is not None and is_offline(request):
+            # NOTE: never asked to `admit`: it has no latency SLO to miss, and it yields
+            if not self.any_healthy:
+                return self._reject(request, RejectReason.NO_WORKER, now)
+            if self.offline.full:
+                return self._reject(request, RejectReason.OFFLINE_QUEUE_FULL, now)
+            self.offline.push(request)
+            return None
         self._admit = admit
         try:
             return self._route(request, now)
@@ -80,6 +101,8 @@ class Cluster:
     def plan_step(self, worker: int, now: float) -> StepPlan | None:
         """The worker's next plan; None when nothing is to run (answered here)."""
         sched = self.schedulers[worker]
+        if self.offline:
+            self._take_offline(worker, now)
         timer = self._timer
         start = timer() if timer is not None else 0.0
         plan = sched.schedule(now)
@@ -112,13 +135,19 @@ class Cluster:
         for i, request in enumerate(held):
             if request.request_id == request_id:
                 del held[i]
-                request.status = status
-                request.finish_time = now
-                request.finish_message = message
-                self.metrics.on_finish(request, now)
-                self._ended.append(request)
+                self._end_unplaced(request, status, now, message)
                 return True
+        if self.offline is not None and (request := self.offline.remove(request_id)) is not None:
+            self._end_unplaced(request, status, now, message)
+            return True
         return False
+
+    def _end_unplaced(self, request: Request, status: RequestStatus, now: float, message: str) -> None:
+        request.status = status
+        request.finish_time = now
+        request.finish_message = message
+        self.metrics.on_finish(request, now)
+        self._ended.append(request)
 
     def update_prediction(self, request_id: str, tokens: int, source: str, now: float) -> bool:
         """A predicted output length that arrived after the request was submitted: applied
@@ -126,7 +155,7 @@ class Cluster:
         when the request is placed). False when the request has already ended."""
         if any(s.update_prediction(request_id, tokens, source, now) for s in self.schedulers.values()):
             return True
-        for request in self._router.held:
+        for request in (*self._router.held, *(self.offline or ())):
             if request.request_id == request_id:
                 request.predicted_output_tokens = max(1, min(tokens, request.max_tokens))
                 request.length_source = source
@@ -141,6 +170,10 @@ class Cluster:
             self._router.on_request_left(request, worker, now)
             if self._route(request, now) is not None:
                 self._ended.append(request)
+        if self.offline and not self.any_healthy:
+            for request in self.offline.clear():
+                self._ended.append(request)
+                self._reject(request, RejectReason.NO_WORKER, now)
         return moved
 
     def mark_up(self, worker: int, now: float) -> None:
@@ -183,6 +216,10 @@ class Cluster:
             self.metrics.on_reject(request, RejectReason.UNSCHEDULABLE, now)
             self._ended.append(request)
         self._router.held.clear()
+        for request in self.offline.clear() if self.offline is not None else ():
+            request.status = RequestStatus.FINISHED_REJECTED
+            self.metrics.on_reject(request, RejectReason.UNSCHEDULABLE, now)
+            self._ended.append(request)
 
     def pop_transfers(self) -> list[KVTransfer]:
         """KV transfers between workers for the driver to run (only a DisaggCluster issues any)."""
@@ -235,8 +272,27 @@ class Cluster:
         due = [t for t in times if t is not None]
         return min(due) if due else None
 
+    def holds_offline(self, worker: int) -> bool:
+        """Whether offline requests from the offline queue are on the worker (O(1) when none are:
+        online admission and placement ask it for every request)."""
+        placed = self._offline_placed.get(worker)
+        if not placed:
+            return False
+        requests = self.schedulers[worker].requests
+        if len(placed) > 2 * len(requests):
+            # NOTE: those that ended or moved drop out, now and then
+            placed = self._offline_placed[worker] = {rid: None for rid in placed if rid in requests}
+        # NOTE: the first placed mostly end first: ids that left are dropped from the front
+        while placed and (first := next(iter(placed))) not in requests:
+            del placed[first]
+        return bool(placed)
+
     def has_work(self, worker: int) -> bool:
-        return self.schedulers[worker].has_work
+        sched = self.schedulers[worker]
+        if sched.has_work:
+            return True
+        queue = self.offline
+        return bool(queue) and self.healthy[worker] and to_place(sched, queue, self.offline_room(worker)) > 0
 
     def overlaps(self, worker: int) -> bool:
         """The worker's next plan may be made while a step of it is in flight (the spec asks
@@ -261,7 +317,12 @@ class Cluster:
 
     @property
     def num_unfinished(self) -> int:
-        return sum(s.num_unfinished for s in self.schedulers.values()) + self.num_held
+        return sum(s.num_unfinished for s in self.schedulers.values()) + self.num_held + self.num_offline_queued
+
+    @property
+    def num_offline_queued(self) -> int:
+        """Offline requests in the offline queue (not counted in num_waiting, max_waiting's measure)."""
+        return len(self.offline) if self.offline is not None else 0
 
     @property
     def router(self) -> Router:
@@ -271,6 +332,11 @@ class Cluster:
     # ------------------------------------------------------------------ internals
     def _route(self, request: Request, now: float) -> RejectReason | None:
         router = self._router
+        if self.offline is not None and is_offline(request):
+            if not self.any_healthy:
+                return self._reject(request, RejectReason.NO_WORKER, now)
+            self.offline.push_front([request])  # NOTE: a re-route: it was admitted, it goes first
+            return None
         worker = router.select(request, self.loads(request if router.wants_prefix_match else None), now)
         if worker is None:
             if not self.any_healthy:
@@ -280,13 +346,44 @@ class Cluster:
         if self._admit is not None and (refused := self._admit(request, worker)) is not None:
             router.on_request_left(request, worker, now)
             return self._reject(request, refused, now)
-        return self._place(request, worker, now)
+        reason = self._place(request, worker, now)
+        if reason is None and self.offline is not None:
+            self._yield_offline(worker, now)
+        return reason
 
     def _place(self, request: Request, worker: int, now: float) -> RejectReason | None:
         reason = self.schedulers[worker].add_request(request, now)
         if reason is not None:
             self._router.on_request_left(request, worker, now)
         return reason
+
+    def _every_seat(self, worker: int) -> Room:
+        return Room(self.schedulers[worker].config.max_num_seqs)
+
+    def _take_offline(self, worker: int, now: float) -> None:
+        """The worker takes queued offline requests into the seats its online ones leave idle."""
+        queue = self.offline
+        if queue is None or not self.healthy[worker]:
+            return
+        placed = self._offline_placed.setdefault(worker, {})
+        for _ in range(to_place(self.schedulers[worker], queue, self.offline_room(worker))):
+            request = queue.pop()
+            placed.pop(request.request_id, None)
+            placed[request.request_id] = None
+            self._place_or_end(request, worker, now)
+
+    def _yield_offline(self, worker: int, now: float) -> None:
+        """An online request was placed on the worker: its offline requests that must give way
+        go back to the offline queue's head (core/offline.py)."""
+        assert self.offline is not None
+        if not self.holds_offline(worker):
+            return
+        sched = self.schedulers[worker]
+        out = yielding(sched, self.offline_room(worker).seats, self._offline_placed[worker])
+        for request in out:
+            sched.withdraw(request, now)
+            self._router.on_request_left(request, worker, now)
+        self.offline.push_front(out)
 
     def _place_or_end(self, request: Request, worker: int, now: float) -> None:
         if self._place(request, worker, now) is not None:

@@ -57,6 +57,9 @@ class ClusterSpec:
     decode_router: str = "kv_aware"  # picks a request's decode worker (disaggregated clusters)
     int8_transfer: bool = False  # KV moved between workers is int8-compressed (half the bytes)
     overlap: bool = False  # plans may be made one step ahead (core/overlap.py; overlap_safe policies)
+    # offline-class requests wait in a queue of this bound, yielding to online ones
+    # (core/offline.py); 0: they are routed as online ones are (the simulator's default)
+    max_offline_waiting: int = 0
 
     def __post_init__(self) -> None:
         if not self.workers:

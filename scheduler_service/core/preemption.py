@@ -28,3 +28,4 @@ class RejectReason(StrEnum):
     NO_WORKER = "no_worker"
     UNSCHEDULABLE = "unschedulable"  # no policy step could ever place it
     SLO_UNMEETABLE = "slo_unmeetable"  # admission: the queue and the workers' speed say its SLOs will be missed
+    OFFLINE_QUEUE_FULL = "offline_queue_full"  # an offline-class request beyond the offline queue's bound

@@ -401,6 +401,17 @@ class Scheduler:
         self.metrics.num_requests -= 1  # NOTE: counted again where it is placed next, so once in all
         self.policy.on_finished(req, now)
 
+    def withdraw(self, req: Request, now: float) -> None:
+        """The request leaves this worker unfinished for the cluster to hold (an offline
+        request giving way to online ones, core/offline.py): as `return_to_pool`, but not handed
+        to the router. One that held KV counts as a priority preemption (recompute)."""
+        held = not req.status.is_waiting
+        self.return_to_pool(req, now)
+        self.returned.pop()
+        if held:
+            req.num_preemptions += 1
+            self.metrics.on_preempt(req, PreemptionMode.RECOMPUTE, PreemptionReason.PRIORITY, now)
+
     def hand_off(self, req: Request, now: float) -> None:
         """The request leaves this worker with its KV (disaggregation: its prefill is done and
         its KV moves to a decode worker). Unlike `return_to_pool` its blocks stay allocated

@@ -20,6 +20,12 @@ class LiveConfig:
     )
     max_model_len: int | None = opt(None, "context length limit; none: the smallest the workers report")
     max_waiting: int = opt(256, "requests waiting for admission, all workers; beyond it RESOURCE_EXHAUSTED")
+    max_offline_waiting: int = opt(
+        4096,
+        "offline-class requests queued behind online work, all workers (never refused for an SLO; they use the "
+        "seats online requests leave idle and give way to them: scheduler_service/core/offline.py); beyond it "
+        "RESOURCE_EXHAUSTED; 0: offline requests queue as online ones do, within max_waiting",
+    )
     default_max_tokens: int = opt(
         256, "max_tokens of a request that sets none (capped by the context left; GetServerInfo advertises it)"
     )

@@ -38,6 +38,8 @@ from scheduler_service.cluster import ClusterSpec, DisaggCluster, WorkerSpec, bu
 from scheduler_service.cluster.lengths import GivenLengths
 from scheduler_service.core.admission import (
     ADMITTED,
+    COLD_SEQS,
+    Decision,
     QueueView,
     SpeedFit,
     StepSpeed,
@@ -45,6 +47,7 @@ from scheduler_service.core.admission import (
     decide_cold,
     estimate,
 )
+from scheduler_service.core.offline import Room, is_offline
 from scheduler_service.core.preemption import RejectReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
@@ -134,12 +137,19 @@ def prior_speed(cost_model: CostModel) -> StepSpeed:
 
 
 def queue_view(
-    sched: Scheduler, in_flight: tuple[tuple[int, float], ...] = (), recent_prefill: float = 0.0
+    sched: Scheduler,
+    in_flight: tuple[tuple[int, float], ...] = (),
+    recent_prefill: float = 0.0,
+    without_offline: bool = False,
 ) -> QueueView:
     """What admission needs of one worker's queue (running, swapped and kept requests count as
-    running: they hold seats); `in_flight`: (tokens, seconds running) of its steps not answered."""
+    running: they hold seats); `in_flight`: (tokens, seconds running) of its steps not answered;
+    `without_offline`: offline requests left out (they yield to online ones: core/offline.py)."""
     held = [*sched.running.values(), *sched.swapped.values(), *sched.kept.values()]
     waiting = list(sched.waiting.values())
+    if without_offline:
+        held = [r for r in held if not is_offline(r)]
+        waiting = [r for r in waiting if not is_offline(r)]
     return QueueView(
         running_left=tuple(r.remaining_output_estimate for r in held),
         running_prefill=sum(r.num_tokens_to_compute for r in held if r.is_prefill),
@@ -173,6 +183,7 @@ def cluster_spec(cfg: LiveConfig, caps: Sequence[WorkerCapacity], max_model_len:
         prefix_caching=cfg.prefix_caching,
         int8_transfer=cfg.int8_transfer and all(c.int8_swap for c in caps),  # NOTE: one int8 codec for both
         overlap=cfg.overlap,
+        max_offline_waiting=cfg.max_offline_waiting,
     )
 
 
@@ -222,6 +233,7 @@ class LiveScheduler:
         self._decode_lock = asyncio.Lock()
         self.transfers = KVTransfers(self)
         self._refusal = ""  # why admission refused the request being submitted
+        self._last_tbt_s: float | None = None  # the TBT SLO of the last online request (offline room)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -309,6 +321,7 @@ class LiveScheduler:
         self.speed_prior = prior_speed(self.spec.cost_model)
         self.speeds = {w: SpeedFit(self.speed_prior) for w in range(len(caps))}
         self.cluster = build_cluster(self.spec, self.metrics, timer=time.perf_counter)
+        self.cluster.offline_room = self._offline_room
         self.limits = Limits(
             max_model_len=self.max_model_len,
             max_kv_tokens=min(c.num_gpu_blocks for c in caps) * self.block_size,
@@ -394,7 +407,11 @@ class LiveScheduler:
             del self.streams[rid]
             if reason is RejectReason.SLO_UNMEETABLE:
                 raise Rejected(reason, self._refusal)
+            if reason is RejectReason.OFFLINE_QUEUE_FULL:
+                raise Rejected(reason, self._offline_full_message())
             raise Rejected(reason, request.finish_message or str(reason))
+        if request.slo.effective_class is SLOClass.ONLINE and (tbt_s := request.slo.tbt_s or self.config.tbt_slo_s):
+            self._last_tbt_s = tbt_s  # NOTE: an admitted one's: a refused request's SLO keeps nothing
         if self.predictor is not None:
             self.predictor.ask(request)
         self.cluster.release_held(now)
@@ -407,21 +424,64 @@ class LiveScheduler:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use by a live request")
         if not self.cluster.any_healthy:
             raise Rejected(RejectReason.NO_WORKER, "no healthy worker")
+        offline = self.cluster.offline
+        if offline is not None and (request.slo if request else slo_of(msg)).effective_class is SLOClass.OFFLINE:
+            # NOTE: its own bound: an offline backlog never fills the online queue, nor the reverse
+            if offline.full:
+                now = self.clock()
+                stub = request or rejected_stub(rid, msg, now)
+                self.metrics.on_admission(stub, Decision(False, "offline_queue_full"), "")
+                self.metrics.on_reject(stub, RejectReason.OFFLINE_QUEUE_FULL, now)
+                raise Rejected(RejectReason.OFFLINE_QUEUE_FULL, self._offline_full_message())
+            return
         if self.cluster.num_waiting + self.num_tokenizing >= self.config.max_waiting:
             now = self.clock()
             self.metrics.on_reject(request or rejected_stub(rid, msg, now), RejectReason.QUEUE_FULL, now)
             raise Rejected(RejectReason.QUEUE_FULL, f"the waiting queue is full ({self.config.max_waiting} requests)")
 
+    def _offline_full_message(self) -> str:
+        return f"the offline queue is full ({self.config.max_offline_waiting} requests, max_offline_waiting)"
+
+    def _offline_room(self, worker: int) -> Room:
+        """What the worker's online requests leave idle for offline ones (core/offline.py):
+        until its speed is measured, COLD_SEQS requests (as admission holds online ones); then,
+        with a TBT SLO to keep (the tightest of its online requests', else the last online
+        request's: online traffic comes back, and a step is never cut short), the largest batch
+        whose step fits it within the admission headroom (at least one seat when no online
+        request is there), and the prompt tokens a step can carry beside the decodes and prompts
+        already there; every seat when there is no TBT SLO."""
+        sched, cfg, fit = self.cluster.schedulers[worker], self.config, self.speeds[worker]
+        seats = sched.config.max_num_seqs
+        if fit.num_samples < fit.min_samples:
+            return Room(min(seats, COLD_SEQS))
+        held = list(sched.requests.values())
+        tbts = [t for r in held if not is_offline(r) and (t := r.slo.tbt_s or cfg.tbt_slo_s)]
+        tbt_s = min(tbts) if tbts else self._last_tbt_s
+        if tbt_s is None:
+            return Room(seats)
+        prompt = sum(r.num_prompt_tokens for r in held)
+        output = sum(max(1, r.num_output_tokens + r.remaining_output_estimate) for r in held)
+        speed, budget_s = fit.speed(), tbt_s * cfg.admission_headroom
+        batch = speed.max_batch(budget_s, prompt / output if held else 1.0)
+        if not tbts:
+            batch = max(1, batch)  # NOTE: no online request here to hold to it: offline work never stalls
+        pending = sum(r.num_tokens_to_compute for r in held if r.is_prefill)
+        return Room(min(seats, batch), max(0, speed.max_batch(budget_s) - len(held) - pending))
+
     def _admission(self, request: Request) -> Callable[[Request, int], RejectReason | None] | None:
         """SLO-aware admission (core/admission.py) as the cluster's hook: asked about the worker
         the router chose, it refuses (SLO_UNMEETABLE) a request whose TTFT or TBT SLO that
         worker's queue and measured speed say cannot be met. Offline requests (judged by JCT),
-        requests without a TTFT or TBT SLO and `admission off` are admitted up to max_waiting.
-        The decision goes on the request's span and the admission counter."""
+        requests without a TTFT or TBT SLO and `admission off` are admitted up to max_waiting
+        (offline ones up to max_offline_waiting, in the offline queue: core/offline.py). The
+        worker is estimated without its offline requests when they yield. The decision goes on
+        the request's span and the admission counter."""
         slo, cfg = request.slo, self.config
         ttft_s, tbt_s = slo.ttft_s, slo.tbt_s or cfg.tbt_slo_s
         why = (
-            "off"
+            "offline_queue"
+            if self.cluster.offline is not None and slo.effective_class is SLOClass.OFFLINE
+            else "off"
             if cfg.admission == "off"
             else "offline"
             if slo.effective_class is SLOClass.OFFLINE
@@ -436,7 +496,10 @@ class LiveScheduler:
         def admit(request: Request, worker: int) -> RejectReason | None:
             fit = self.speeds[worker]
             view = queue_view(
-                self.cluster.schedulers[worker], self.loops[worker].in_flight_tokens(), fit.prefill_per_step
+                self.cluster.schedulers[worker],
+                self.loops[worker].in_flight_tokens(),
+                fit.prefill_per_step,
+                without_offline=self.cluster.holds_offline(worker),
             )
             prompt, output = request.num_tokens_to_compute, request.remaining_output_estimate
             decision = decide_cold(view, fit) or decide(
@@ -720,7 +783,7 @@ class LiveScheduler:
         assert self.serving is not None
         scheds = self.cluster.schedulers.values()
         self.serving.set_running(sum(len(s.running) for s in scheds))
-        self.serving.set_waiting(self.cluster.num_waiting)
+        self.serving.set_waiting(self.num_waiting)
         total = sum(s.kv.gpu.num_blocks for s in scheds)
         self.serving.set_kv_usage(sum(s.kv.gpu.num_used for s in scheds) / total if total else 0.0)
 
@@ -731,7 +794,8 @@ class LiveScheduler:
 
     @property
     def num_waiting(self) -> int:
-        return self.cluster.num_waiting
+        """Requests not running yet, the offline queue's included."""
+        return self.cluster.num_waiting + self.cluster.num_offline_queued
 
     def throughput_tok_s(self) -> float:
         elapsed = self.clock() - self.started_at

@@ -42,6 +42,8 @@ def check_live_config(cfg: LiveConfig) -> None:
             raise ValueError(f"{name}: must be >= 1 (or none), got {value!r}")
     if cfg.queue_timeout_s is not None and not cfg.queue_timeout_s > 0:
         raise ValueError(f"queue_timeout_s: must be > 0 (or none), got {cfg.queue_timeout_s!r}")
+    if cfg.max_offline_waiting < 0:
+        raise ValueError(f"max_offline_waiting: must be >= 0, got {cfg.max_offline_waiting!r}")
     if cfg.retry_after_s < 0:
         raise ValueError(f"retry_after_s: must be >= 0, got {cfg.retry_after_s!r}")
     if cfg.tbt_slo_s is not None and not cfg.tbt_slo_s > 0:

@@ -62,10 +62,12 @@ ADMISSION_SERIES = (
     ("admit", "slo"),
     ("admit", "no_slo"),
     ("admit", "offline"),
+    ("admit", "offline_queue"),
     ("admit", "off"),
     ("refuse", "ttft"),
     ("refuse", "tbt"),
     ("refuse", "cold"),
+    ("refuse", "offline_queue_full"),
 )
 
 
