@@ -53,6 +53,7 @@ class Trace:
 
     sent: float
     tokens: list[float] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
 
 
 def make_jobs(n: int, vocab: int, rate: float | None, seed: int) -> list[Job]:
@@ -131,10 +132,12 @@ class VllmAlone:
 
 
 class SluiceServe:
-    def __init__(self, engine: str, model: str, dtype: str, num_blocks: int, compile_model: bool) -> None:
+    def __init__(
+        self, engine: str, model: str, dtype: str, num_blocks: int, compile_model: bool, policy: str = "vllm"
+    ) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", "--port", "0", "--workers", "1", "--engine", engine]
         cmd += ["--model", model, "--dtype", dtype, "--num-gpu-blocks", str(num_blocks), "--worker-threads", "1"]
-        cmd += ["--policy", "vllm", "--no-start-predictor", "--connect-timeout-s", "300"]
+        cmd += ["--policy", policy, "--no-start-predictor", "--connect-timeout-s", "300"]
         cmd += [] if compile_model else ["--no-vllm-compile"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
         self.engine = engine
@@ -157,9 +160,11 @@ class SluiceServe:
             self.proc.kill()
 
     def run(self, jobs: Sequence[Job], online: bool) -> dict[str, float]:
-        return asyncio.run(self._run(jobs, online))
+        traces = asyncio.run(self.traces(jobs, online))
+        stats = summarize(traces, min(t.sent for t in traces))
+        return stats if online else {"output_tok_s": stats["output_tok_s"]}
 
-    async def _run(self, jobs: Sequence[Job], online: bool) -> dict[str, float]:
+    async def traces(self, jobs: Sequence[Job], online: bool) -> list[Trace]:
         import grpc
 
         from sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -182,11 +187,53 @@ class SluiceServe:
                 async for message in stub.Generate(request):
                     stamp = time.perf_counter()
                     trace.tokens += [stamp] * len(message.token_ids)
+                    trace.ids += message.token_ids
                 return trace
 
-            traces = await asyncio.gather(*(one(i, j) for i, j in enumerate(jobs)))
-        stats = summarize(traces, start)
-        return stats if online else {"output_tok_s": stats["output_tok_s"]}
+            return list(await asyncio.gather(*(one(i, j) for i, j in enumerate(jobs))))
+
+
+# ---------------------------------------------------------------- every policy on (b)
+
+
+def run_policies(args: argparse.Namespace, offline_jobs: list[Job], online_jobs: list[Job]) -> list[dict]:
+    """`sluice serve --engine vllm` once per policy (one at a time): the offline and the online
+    jobs, each policy's greedy tokens compared request by request with the first policy's."""
+    rows, reference = [], None
+    for policy in args.policies.split(","):
+        serve = SluiceServe("vllm", args.model, args.dtype, args.num_blocks, not args.no_compile, policy=policy)
+        try:
+            asyncio.run(serve.traces(make_jobs(4, 1000, None, seed=9), online=False))  # warm-up
+            offline = asyncio.run(serve.traces(offline_jobs, online=False))
+            online = asyncio.run(serve.traces(online_jobs, online=True))
+        finally:
+            serve.stop()
+        ids = [t.ids for t in offline]
+        reference = reference or ids
+        stats = summarize(online, min(t.sent for t in online))
+        row = {
+            "policy": policy,
+            "finished": sum(
+                len(t.ids) == j.max_tokens for t, j in zip(offline + online, offline_jobs + online_jobs, strict=True)
+            ),
+            "requests": len(offline_jobs) + len(online_jobs),
+            "offline_tok_s": summarize(offline, min(t.sent for t in offline))["output_tok_s"],
+            "tokens_equal_to_first": sum(a == b for a, b in zip(ids, reference, strict=True)),
+            **{f"online_{k}": v for k, v in stats.items()},
+        }
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    first = rows[0]["policy"]
+    print(
+        f"\n| policy | finished | offline tok/s | TBT p50 ms | TTFT p50 ms | E2E mean s | tokens equal to {first}'s |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        cells = [r["policy"], f"{r['finished']}/{r['requests']}", f"{r['offline_tok_s']:.1f}"]
+        cells += [f"{r['online_tbt_p50_ms']:.1f}", f"{r['online_ttft_p50_ms']:.1f}", f"{r['online_e2e_mean_s']:.2f}"]
+        cells.append(f"{r['tokens_equal_to_first']}/{len(ids)}")
+        print("| " + " | ".join(cells) + " |")
+    return rows
 
 
 # ---------------------------------------------------------------- main
@@ -204,6 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--engines", default="vllm,sluice+vllm,sluice+torch")
     p.add_argument("--no-compile", action="store_true", help="vLLM eager in (a) and (b) (its default compiles)")
     p.add_argument("--json", help="write the per-round results here")
+    p.add_argument(
+        "--policies",
+        help="instead of the comparison: (b) once per policy (comma-separated, the first is the token reference)",
+    )
     args = p.parse_args(argv)
 
     from worker_service.model import resolve_config
@@ -212,6 +263,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     vocab = resolve_config(args.model).vocab_size
     offline_jobs = make_jobs(args.num_requests, vocab, None, seed=0)
     online_jobs = make_jobs(args.num_requests, vocab, args.rate, seed=1)
+    if args.policies:
+        rows = run_policies(args, offline_jobs, online_jobs)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "policies": rows}, indent=2))
+        return 0
     names = args.engines.split(",")
     compile_model = not args.no_compile
     print(f"starting {names} for {args.model} {args.dtype}", flush=True)
