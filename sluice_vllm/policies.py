@@ -530,9 +530,25 @@ class AccelGen(PluginPolicy):
         self.t_max.observe(step_s)
 
     def on_step(self, served: Sequence[Job], step_s: float, now: float) -> None:
+        # NOTE: an online request past its prompt re-enters with T_r = its TBT SLO - T_max,
+        # the same for every request with the same SLO: computed once per SLO, not per
+        # request (the refresh step's time was most of the plug-in's per-step cost).
+        remaining: dict[float | None, float] = {}
+        t_max = self.t_max.value
+        default_tbt = self.options.default_tbt_ms / 1e3
         for job in served:
-            # a prompt keeps its clock (its TTFT runs from arrival); a token restarts it
-            self._file(job, job.t0 if job.prefill_left and not job.hints.offline else now)
+            req, hints = job.req, job.hints
+            if hints.offline or req.num_output_tokens == 0 or req.num_computed_tokens < req.num_prompt_tokens:
+                # a prompt keeps its clock (its TTFT runs from arrival); a token restarts it
+                self._file(job, job.t0 if job.prefill_left and not hints.offline else now)
+                continue
+            tbt = hints.tbt_s
+            left = remaining.get(tbt)
+            if left is None:
+                left = remaining[tbt] = online_remaining_s(tbt if tbt is not None else default_tbt, 1, t_max)
+            job.t0 = now
+            job.deadline = now + left
+            job.rank = (job.deadline, job.seq)
 
 
 def describe(policy: PluginPolicy) -> dict[str, Any]:

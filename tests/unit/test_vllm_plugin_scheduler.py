@@ -215,6 +215,30 @@ def test_accelgen_offline_request_yields_to_online() -> None:
     assert admitted(step(s)) == ["online"]
 
 
+def test_accelgen_refresh_refiles_each_request_as_its_full_rule_does() -> None:
+    """The refresh's shortcut for requests past their prompt (one T_r per TBT SLO) gives every
+    request the deadline and rank the full rule gives: prompts keep their clock, offline
+    requests get their JCT share, online decodes their TBT SLO less T_max."""
+    s = plug(SluiceScheduler, "accelgen:min_budget=256", max_num_seqs=8, max_num_batched_tokens=256)
+    hints = [{"tbt_ms": 50}, {"tbt_ms": 50}, {}, {"tbt_ms": 200}, {"jct_ms": 600000, "predicted_tokens": 30}]
+    hints.append({"ttft_ms": 60000})  # the long prompt, least urgent: still in its prefill below
+    for i, extra in enumerate(hints):
+        s.add_request(make_request(f"r{i}", 2000 if i == 5 else 40, 30, arrival=i, **extra))
+    for _ in range(4):
+        step(s)
+    policy = s.sluice_policy  # type: ignore[attr-defined]
+    jobs = list(s._sluice_jobs.values())  # type: ignore[attr-defined]
+    assert any(j.prefill_left for j in jobs) and sum(j.req.num_output_tokens > 0 for j in jobs) >= 4
+    now = time.monotonic() + 1.0
+    t0s = [j.t0 for j in jobs]
+    policy.on_step(jobs, 0.01, now)
+    fast = [(j.t0, j.deadline, j.rank) for j in jobs]
+    for job, t0 in zip(jobs, t0s, strict=True):
+        job.t0 = t0
+        policy._file(job, job.t0 if job.prefill_left and not job.hints.offline else now)
+    assert fast == [(j.t0, j.deadline, j.rank) for j in jobs]
+
+
 # ---------------------------------------------------------------------------- configuration and hints
 
 
