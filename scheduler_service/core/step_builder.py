@@ -147,6 +147,10 @@ class StepBuilder:
             or not request.status.is_waiting
         ):
             return []
+        if request.prefix_salt is None and request.prefix_source is None and request.prompt_token_ids is None:
+            # NOTE: no block of it is named by tokens and none of its salted ones was hashed
+            # (so none registered): `lookup_hashes` would give nothing to look up.
+            return []
         evictions = self.kv.gpu.num_evictions
         memo = self._hits.get(request.request_id)
         if memo is not None and memo[0] == evictions:

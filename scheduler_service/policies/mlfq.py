@@ -35,13 +35,23 @@ from scheduler_service.core.policy import Policy, PolicyConfig, PolicyContext
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
+from scheduler_service.policies.paused_index import PausedIndex, RankedHolders
 
 # NOTE: a waiting head whose prompt does not fit the step's leftover tokens is set aside;
 # after this many the walk stops looking at waiting jobs for this step (bounds the pops).
 MAX_SKIPPED_WAITING = 32
 
 Rank = tuple[int, float, int]
-Victims = deque[Request]  # GPU holders ranked below the current job, worst at the right
+
+
+class RankDeque(deque[Request]):
+    """KV holders in rank order (a deque over a sorted list), with RankedHolders' peek."""
+
+    def first_rank(self) -> Rank | None:
+        return self[0].policy_state.rank if self else None
+
+
+Victims = RankDeque | RankedHolders  # GPU holders ranked below the current job, worst at the right
 
 
 class MemoryMode(StrEnum):
@@ -64,6 +74,7 @@ class JobState:
     predicted: int = 0  # ALISE: predicted output tokens (doubled on misprediction)
     attained: float = 0.0  # FastServe: service received in the current level
     rank: Rank = (0, 0.0, 0)  # while it holds KV: its rank as last refreshed
+    filed: Rank | None = None  # the rank it is filed under in the policy's PausedIndex
 
 
 class LevelQueues:
@@ -128,6 +139,10 @@ class QueuePolicy(Policy):
     """Iteration-level preemptive scheduling over ranked levels; subclasses rank jobs."""
 
     config: QueuePolicyConfig
+    # True: paused jobs sit in a PausedIndex and a step reads them lazily (their ranks change
+    # only where the policy says so, through `rerank_paused`); False: every KV holder is
+    # sorted each step into `ranked` (a policy whose later passes read all of them)
+    index_paused = False
 
     def __init__(self, config: PolicyConfig, ctx: PolicyContext, num_levels: int) -> None:
         super().__init__(config, ctx)
@@ -137,6 +152,8 @@ class QueuePolicy(Policy):
         self.jobs: dict[str, Request] = {}  # every unfinished job on this worker
         self.ranked: list[Request] = []  # this step's KV holders in rank order (ranks in policy_state.rank)
         self.admitted: list[Request] = []  # waiting jobs this step admitted
+        self.paused = PausedIndex()  # with `index_paused`: the kept and swapped jobs by rank
+        self._ranked_at: StepBuilder | None = None  # the step `ranked` was sorted in (prefill pass)
         self._seq = 0
         # counters for reports (`stats_report`): which preemption path moved a job, and why
         self.stats: Counter[str] = Counter()
@@ -160,10 +177,14 @@ class QueuePolicy(Policy):
     def on_preempted(self, request: Request, now: float) -> None:
         if request.status is RequestStatus.PREEMPTED_RECOMPUTE:
             self.requeue(request)
+        if self.index_paused:
+            self.paused.touch(request)
 
     def on_finished(self, request: Request, now: float) -> None:
         if isinstance(request.policy_state, JobState):
             self.queues.discard(request)
+            if self.index_paused and request.policy_state.filed is not None:
+                self.paused.touch(request)
         self.jobs.pop(request.request_id, None)
 
     def requeue(self, req: Request) -> None:
@@ -197,6 +218,7 @@ class QueuePolicy(Policy):
         # stalls with FastServe's thousands of paused jobs).
         self.ranked = []
         self.admitted = []
+        self._ranked_at = None
 
     def before_step(self, step: StepBuilder, now: float) -> None:
         """Level changes that do not depend on the batch (aging)."""
@@ -216,6 +238,7 @@ class QueuePolicy(Policy):
         (whole prompts) while seats, tokens and KV allow; a head may evict only GPU holders
         ranked below it. Returns how many were admitted."""
         self.ranked = self.ranked_kv_jobs(step)
+        self._ranked_at = step
         self.admitted = []
         skipped: list[Request] = []
         budget, queues = step.budget, self.queues
@@ -227,7 +250,7 @@ class QueuePolicy(Policy):
             if len(step.running) >= self.ctx.max_num_seqs and not self._pause_worse(step, head_rank):
                 break
             queues.pop()
-            victims: Victims = deque(r for r in self.ranked if r.policy_state.rank > head_rank)
+            victims = RankDeque(r for r in self.ranked if r.policy_state.rank > head_rank)
             verdict = self._admit(step, head, victims)
             if verdict and step.is_scheduled(head):
                 self.admitted.append(head)
@@ -261,6 +284,31 @@ class QueuePolicy(Policy):
         for r in jobs:
             r.policy_state.rank = rank(r)
 
+    def rerank_paused(self, req: Request) -> None:
+        """A paused job's rank moved (its policy changed its level): refreshed, and refiled."""
+        self.refresh_ranks((req,))
+        if self.index_paused:
+            self.paused.touch(req)
+
+    def kv_holders(self, step: StepBuilder) -> Victims:
+        """Every KV holder in rank order, to consume from both ends: the running jobs re-ranked
+        and sorted, merged with the paused index (`index_paused`), or `ranked_kv_jobs`."""
+        if not self.index_paused:
+            if self._ranked_at is step:
+                # NOTE: ranked by this step's prefill pass, which admitted nothing: no job's
+                # rank moved since, and the holders are those of then less any it evicted
+                # to recompute (as a new ranking would find them).
+                running, kept, swapped = step.running, step.kept, step.swapped
+                self.ranked = [
+                    r for r in self.ranked if (rid := r.request_id) in running or rid in kept or rid in swapped
+                ]
+            else:
+                self.ranked = self.ranked_kv_jobs(step)
+            return RankDeque(self.ranked)
+        self.paused.sync(step.kept, step.swapped)
+        self.refresh_ranks(step.running.values())
+        return RankedHolders(sorted([(r.policy_state.rank, r) for r in step.running.values()]), self.paused)
+
     def ranked_kv_jobs(self, step: StepBuilder) -> list[Request]:
         """Every KV holder, best rank first.
 
@@ -279,9 +327,8 @@ class QueuePolicy(Policy):
         """Runs jobs in rank order (KV holders and waiting heads merged, unless not
         `admit_waiting`) while seats and tokens last; lower-ranked GPU holders are the eviction
         victims (deque's right end)."""
-        self.ranked = self.ranked_kv_jobs(step)
+        kv_jobs = self.kv_holders(step)
         self.admitted = []
-        kv_jobs: Victims = deque(self.ranked)
         skipped: list[Request] = []
         budget, queues = step.budget, self.queues
         waiting_open = admit_waiting
@@ -297,7 +344,8 @@ class QueuePolicy(Policy):
                 head = queues.peek()
                 head_rank = self.filed_rank(head) if head is not None else head_rank
                 peeked = queues.changes
-            if kv_jobs and (head is None or kv_jobs[0].policy_state.rank <= head_rank):
+            first = kv_jobs.first_rank()
+            if first is not None and (head is None or first <= head_rank):
                 self._run_kv_job(step, kv_jobs.popleft(), kv_jobs)
                 continue
             if head is None:
@@ -318,14 +366,24 @@ class QueuePolicy(Policy):
 
     def _run_kv_job(self, step: StepBuilder, req: Request, victims: Victims) -> None:
         n = req.num_tokens_to_compute
-        if step.schedule_if_covered(req, n):
-            return  # NOTE: the hot path: a running job whose blocks are there
         status = req.status
-        if (status is RequestStatus.DECODING or status is RequestStatus.PREFILLING) and step.schedule(req, n):
-            return
+        kv = step.kv
+        if status is RequestStatus.DECODING or status is RequestStatus.PREFILLING:
+            if step.schedule_if_covered(req, n) or step.schedule(req, n):
+                return  # NOTE: the hot path: a running job whose blocks are there
+        elif status is RequestStatus.PREEMPTED_KEPT:
+            table = kv.gpu_tables.get(req.request_id)
+            if table and len(table) * kv.block_size >= req.num_computed_tokens + n:
+                # NOTE: the common resume (FastServe resumes dozens a step): its blocks cover
+                # the step, so there is nothing to allocate or evict (the general path below
+                # would find no block needed and do just this).
+                if step.budget.can_fit(n):
+                    step.resume(req)
+                    if not step.schedule_if_covered(req, n):
+                        step.schedule(req, n)
+                return
         if not step.budget.can_fit(n):
             return
-        kv = step.kv
         target = req.num_computed_tokens + n
         swapped = status is RequestStatus.PREEMPTED_SWAPPED
         need = kv.num_blocks_for(target) if swapped else kv.num_new_blocks(req.request_id, target)

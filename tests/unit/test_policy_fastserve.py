@@ -96,6 +96,17 @@ def test_queue_policies_sort_paused_jobs_by_ranks_that_are_still_current() -> No
                 for req in [*sched.kept.values(), *sched.swapped.values()]:
                     assert req.policy_state.rank == sched.policy.rank(req), (spec, req)
                     paused_checked += 1
+                if sched.policy.index_paused:
+                    # the paused index, brought up to date as a step would, holds exactly
+                    # the paused jobs under their ranks now, in rank order
+                    index = sched.policy.paused
+                    index.sync(sched.kept, sched.swapped)
+                    paused = sorted(
+                        (r.policy_state.rank, r.request_id) for r in [*sched.kept.values(), *sched.swapped.values()]
+                    )
+                    assert [(rank, r.request_id) for rank, r in index.entries] == paused, spec
+        if sched.policy.index_paused:
+            assert sched.policy.paused.rebuilds == 0, f"{spec}: a paused job moved without the index being told"
         assert paused_checked > 100, f"{spec}: the workload paused too few jobs to test anything"
         run_to_completion(sched)
         sched.assert_empty()

@@ -224,7 +224,7 @@ class AlisePolicy(QueuePolicy):
         if waiting:
             self.requeue(req)
         else:
-            self.refresh_ranks((req,))  # a paused KV holder is sorted by its cached rank
+            self.rerank_paused(req)  # a paused KV holder is sorted by its cached rank
 
     @property
     def hybrid_batches(self) -> bool:

@@ -43,6 +43,9 @@ class FastServePolicy(QueuePolicy):
     name = "fastserve"
     config_cls = FastServeConfig
     config: FastServeConfig
+    # NOTE: a paused job's rank never moves (demotion happens to jobs that ran), and thousands
+    # of jobs sit paused: sorting them every step was a fifth of `schedule()`.
+    index_paused = True
 
     def __init__(self, config: FastServeConfig, ctx: PolicyContext) -> None:
         super().__init__(config, ctx, num_levels=config.num_queues)
