@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 from abc import abstractmethod
+from bisect import bisect_right
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -250,7 +251,8 @@ class QueuePolicy(Policy):
             if len(step.running) >= self.ctx.max_num_seqs and not self._pause_worse(step, head_rank):
                 break
             queues.pop()
-            victims = RankDeque(r for r in self.ranked if r.policy_state.rank > head_rank)
+            # NOTE: `ranked` is sorted by rank (unique): the jobs below the head are a tail of it
+            victims = RankDeque(self.ranked[bisect_right(self.ranked, head_rank, key=_RANK) :])
             verdict = self._admit(step, head, victims)
             if verdict and step.is_scheduled(head):
                 self.admitted.append(head)
