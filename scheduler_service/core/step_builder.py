@@ -324,6 +324,17 @@ class StepBuilder:
         self._sched.preempt(request, mode, reason, self.now, to_front=to_front)
         self.num_preempted += 1
 
+    def pause(self, requests: list[Request], reason: PreemptionReason) -> None:
+        """Preempts running requests that are not in this step, keeping their KV on the GPU:
+        what `preempt(req, KEEP, reason)` does to each, in order, without its checks for
+        the modes that move KV (queue policies pause dozens of jobs a step this way)."""
+        preempt, now, keep = self._sched.preempt, self.now, PreemptionMode.KEEP
+        for request in requests:
+            if request.request_id in self.scheduled:
+                raise ValueError(f"{request!r} is in this step; unschedule or preempt it instead")
+            preempt(request, keep, reason, now, to_front=True)
+        self.num_preempted += len(requests)
+
     def _swap_out(self, request: Request) -> bool:
         pairs = self.kv.swap_out(request.request_id)
         if pairs is None:

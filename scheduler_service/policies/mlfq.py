@@ -48,8 +48,11 @@ Rank = tuple[int, float, int]
 class RankDeque(deque[Request]):
     """KV holders in rank order (a deque over a sorted list), with RankedHolders' peek."""
 
-    def first_rank(self) -> Rank | None:
-        return self[0].policy_state.rank if self else None
+    def pop_before(self, limit: Rank | None) -> Request | None:
+        """The best job left if it ranks at or before `limit` (None: any), else None."""
+        if self and (limit is None or self[0].policy_state.rank <= limit):
+            return self.popleft()
+        return None
 
 
 Victims = RankDeque | RankedHolders  # GPU holders ranked below the current job, worst at the right
@@ -209,9 +212,11 @@ class QueuePolicy(Policy):
             step.metadata["phase"] = "prefill"
         else:
             self.fill_batch(step, admit_waiting=self.hybrid_batches)
-            for req in [r for r in step.running.values() if not step.is_scheduled(r)]:
-                step.preempt(req, PreemptionMode.KEEP, PreemptionReason.PRIORITY)
-                self.stats["priority_pauses"] += 1
+            scheduled = step.scheduled
+            idle = [r for r in step.running.values() if r.request_id not in scheduled]
+            if idle:
+                step.pause(idle, PreemptionReason.PRIORITY)
+                self.stats["priority_pauses"] += len(idle)
         self.after_batch(step, now)
         # NOTE: dropped at once, so this step's thousands of (rank, job) pairs die young
         # instead of surviving into the collector's oldest generation: kept until the next
@@ -333,22 +338,23 @@ class QueuePolicy(Policy):
         self.admitted = []
         skipped: list[Request] = []
         budget, queues = step.budget, self.queues
+        pop_before, run_kv_job = kv_jobs.pop_before, self._run_kv_job
         waiting_open = admit_waiting
         head: Request | None = None
-        head_rank: Rank = (0, 0.0, 0)
+        head_rank: Rank | None = None  # a KV job runs first if it ranks at or before it (None: no head)
         peeked = -1  # queues.changes when head was peeked
         while budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
             if not waiting_open:
-                head = None
+                head = head_rank = None
             elif peeked != queues.changes:
                 # NOTE: re-peeked only when the queues moved (a pop, or a job an eviction
                 # sent back to recompute): most of a step is running jobs ranked ahead.
                 head = queues.peek()
-                head_rank = self.filed_rank(head) if head is not None else head_rank
+                head_rank = self.filed_rank(head) if head is not None else None
                 peeked = queues.changes
-            first = kv_jobs.first_rank()
-            if first is not None and (head is None or first <= head_rank):
-                self._run_kv_job(step, kv_jobs.popleft(), kv_jobs)
+            job = pop_before(head_rank)
+            if job is not None:
+                run_kv_job(step, job, kv_jobs)
                 continue
             if head is None:
                 break

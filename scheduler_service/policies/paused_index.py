@@ -109,15 +109,21 @@ class RankedHolders:
     def __bool__(self) -> bool:
         return self._lo < self._hi or self._index.lo < self._index.hi
 
-    def first_rank(self) -> Rank | None:
-        """The rank of the best job left (None when none is)."""
+    def pop_before(self, limit: Rank | None) -> Request | None:
+        """The best job left if it ranks at or before `limit` (None: any), else None."""
         index = self._index
+        paused = self._paused[index.lo] if index.lo < index.hi else None
         if self._lo < self._hi:
-            rank = self._run[self._lo][0]
-            if index.lo < index.hi and self._paused[index.lo][0] < rank:
-                return self._paused[index.lo][0]
-            return rank
-        return self._paused[index.lo][0] if index.lo < index.hi else None
+            entry = self._run[self._lo]
+            if paused is None or entry[0] < paused[0]:
+                if limit is None or entry[0] <= limit:
+                    self._lo += 1
+                    return entry[1]
+                return None
+        if paused is not None and (limit is None or paused[0] <= limit):
+            index.lo += 1
+            return paused[1]
+        return None
 
     def popleft(self) -> Request:
         index = self._index
