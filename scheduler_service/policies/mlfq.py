@@ -128,9 +128,13 @@ class LevelQueues:
     def pop(self) -> Request | None:
         req = self.peek()
         if req is not None:
-            heapq.heappop(self.heaps[req.policy_state.level])
-            self.discard(req)
+            self.take(req)
         return req
+
+    def take(self, head: Request) -> None:
+        """Pops `head`, which `peek` returned with no push or discard since."""
+        heapq.heappop(self.heaps[head.policy_state.level])
+        self.discard(head)
 
 
 @dataclass
@@ -358,7 +362,7 @@ class QueuePolicy(Policy):
                 continue
             if head is None:
                 break
-            queues.pop()
+            queues.take(head)  # NOTE: peeked when `changes` was what it is now
             verdict = self._admit(step, head, kv_jobs)
             if verdict and step.is_scheduled(head):
                 self.admitted.append(head)
