@@ -78,7 +78,7 @@ class JobState:
     predicted: int = 0  # ALISE: predicted output tokens (doubled on misprediction)
     attained: float = 0.0  # FastServe: service received in the current level
     rank: Rank = (0, 0.0, 0)  # while it holds KV: its rank as last refreshed
-    filed: Rank | None = None  # the rank it is filed under in the policy's PausedIndex
+    filed: tuple[int, float, int, Request] | None = None  # its entry in the policy's PausedIndex
 
 
 class LevelQueues:
@@ -318,7 +318,7 @@ class QueuePolicy(Policy):
             return RankDeque(self.ranked)
         self.paused.sync(step.kept, step.swapped)
         self.refresh_ranks(step.running.values())
-        return RankedHolders(sorted([(r.policy_state.rank, r) for r in step.running.values()]), self.paused)
+        return RankedHolders(sorted([(*r.policy_state.rank, r) for r in step.running.values()]), self.paused)
 
     def ranked_kv_jobs(self, step: StepBuilder) -> list[Request]:
         """Every KV holder, best rank first.

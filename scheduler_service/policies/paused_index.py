@@ -13,9 +13,10 @@ step touches only where it pauses, resumes or reads jobs.
     RankedHolders(running sorted this step, index): popleft / pop like a deque over
        running + paused in rank order, through two cursors into `entries` (consumed ends)
 
-Entries are (rank, job); ranks are unique (their last field is the job's sequence number),
-so the order is the total order a sort of every KV holder gives. A job's `JobState.filed` is
-the rank it is filed under (None: not in the list).
+Entries are flat (level, key, seq, job) tuples (a rank's three fields, then the job: flat
+tuples compare faster than nested ones); ranks are unique (seq is the job's sequence number),
+so the order is the total order a sort of every KV holder gives, and a job is never compared.
+A job's `JobState.filed` is its entry while it is in the list (None: not in it).
 """
 
 from __future__ import annotations
@@ -29,20 +30,23 @@ from scheduler_service.core.request import Request, RequestStatus
 if TYPE_CHECKING:
     from scheduler_service.policies.mlfq import Rank
 
-Entry = tuple["Rank", Request]
+Entry = tuple[int, float, int, Request]  # a rank's fields, then its job
 
 _KEPT, _SWAPPED = RequestStatus.PREEMPTED_KEPT, RequestStatus.PREEMPTED_SWAPPED
 
 
-def _still_filed(entry: Entry) -> bool:
-    """A consumed entry goes back to the list: its job is still paused under that rank."""
-    req = entry[1]
-    status = req.status
-    if (status is _KEPT or status is _SWAPPED) and req.policy_state.filed == entry[0]:
-        return True
-    if req.policy_state.filed == entry[0]:
-        req.policy_state.filed = None
-    return False
+def _survivors(entries: list[Entry]) -> list[Entry]:
+    """The consumed entries that stay: the job is still paused and this is still its entry."""
+    out = []
+    for e in entries:
+        st = e[3].policy_state
+        if st.filed is e:
+            status = e[3].status
+            if status is _KEPT or status is _SWAPPED:
+                out.append(e)
+            else:
+                st.filed = None
+    return out
 
 
 class PausedIndex:
@@ -64,31 +68,40 @@ class PausedIndex:
         holds exactly the paused jobs, each under its current rank."""
         entries, lo, hi = self.entries, self.lo, self.hi
         if lo or hi < len(entries):
-            # NOTE: only the consumed ends are checked; a job in the middle changed only if touched
-            entries = [e for e in entries[:lo] if _still_filed(e)] + entries[lo:hi]
-            entries += [e for e in self.entries[hi:] if _still_filed(e)]
+            # NOTE: only the consumed ends are checked (a job in the middle changed only if
+            # touched): an entry stays while its job is paused and it is still the job's entry.
+            # The survivors of each end stay in order on their side of the untouched middle.
+            entries = _survivors(entries[:lo]) + entries[lo:hi] + _survivors(entries[hi:])
         for req in self.pending:
             st = req.policy_state
             status = req.status
-            want = st.rank if status is _KEPT or status is _SWAPPED else None
-            if st.filed == want:
+            filed = st.filed
+            if status is _KEPT or status is _SWAPPED:
+                rank = st.rank
+                if filed is not None and filed[0] == rank[0] and filed[1] == rank[1] and filed[2] == rank[2]:
+                    continue
+            elif filed is None:
                 continue
-            if st.filed is not None:
-                i = bisect_left(entries, (st.filed,))
-                if i < len(entries) and entries[i][1] is req:
+            else:
+                rank = None
+            if filed is not None:
+                i = bisect_left(entries, filed)
+                if i < len(entries) and entries[i] is filed:
                     del entries[i]
-            if want is not None:
-                insort(entries, (want, req))
-            st.filed = want
+            if rank is not None:
+                st.filed = (*rank, req)
+                insort(entries, st.filed)
+            else:
+                st.filed = None
         self.pending = []
         if len(entries) != len(kept) + len(swapped):
             # NOTE: a path that moved a paused job without `touch`: correct over fast
             self.rebuilds += 1
-            for _, req in entries:
-                req.policy_state.filed = None
-            entries = sorted((r.policy_state.rank, r) for r in [*kept.values(), *swapped.values()])
-            for rank, req in entries:
-                req.policy_state.filed = rank
+            for e in entries:
+                e[3].policy_state.filed = None
+            entries = sorted((*r.policy_state.rank, r) for r in [*kept.values(), *swapped.values()])
+            for e in entries:
+                e[3].policy_state.filed = e
         self.entries = entries
         self.lo, self.hi = 0, len(entries)
 
@@ -100,6 +113,7 @@ class RankedHolders:
     __slots__ = ("_hi", "_index", "_last", "_lo", "_paused", "_run")
 
     def __init__(self, running: list[Entry], index: PausedIndex) -> None:
+        """`running`: the running jobs' entries, sorted."""
         self._run = running
         self._lo, self._hi = 0, len(running)
         self._index = index
@@ -113,40 +127,42 @@ class RankedHolders:
         """The best job left if it ranks at or before `limit` (None: any), else None."""
         index = self._index
         paused = self._paused[index.lo] if index.lo < index.hi else None
+        # NOTE: an entry against a rank compares its three fields first: never equal, as the
+        # rank is another job's
         if self._lo < self._hi:
             entry = self._run[self._lo]
-            if paused is None or entry[0] < paused[0]:
-                if limit is None or entry[0] <= limit:
+            if paused is None or entry < paused:
+                if limit is None or entry <= limit:
                     self._lo += 1
-                    return entry[1]
+                    return entry[3]
                 return None
-        if paused is not None and (limit is None or paused[0] <= limit):
+        if paused is not None and (limit is None or paused <= limit):
             index.lo += 1
-            return paused[1]
+            return paused[3]
         return None
 
     def popleft(self) -> Request:
         index = self._index
-        if self._lo < self._hi and (index.lo >= index.hi or self._run[self._lo][0] < self._paused[index.lo][0]):
+        if self._lo < self._hi and (index.lo >= index.hi or self._run[self._lo] < self._paused[index.lo]):
             self._lo += 1
-            return self._run[self._lo - 1][1]
+            return self._run[self._lo - 1][3]
         if index.lo >= index.hi:
             raise IndexError("popleft from an empty ranking")
         index.lo += 1
-        return self._paused[index.lo - 1][1]
+        return self._paused[index.lo - 1][3]
 
     def pop(self) -> Request:
         """The worst job left."""
         index = self._index
-        if self._lo < self._hi and (index.lo >= index.hi or self._run[self._hi - 1][0] > self._paused[index.hi - 1][0]):
+        if self._lo < self._hi and (index.lo >= index.hi or self._run[self._hi - 1] > self._paused[index.hi - 1]):
             self._hi -= 1
             self._last = False
-            return self._run[self._hi][1]
+            return self._run[self._hi][3]
         if index.lo >= index.hi:
             raise IndexError("pop from an empty ranking")
         index.hi -= 1
         self._last = True
-        return self._paused[index.hi][1]
+        return self._paused[index.hi][3]
 
     def append(self, req: Request) -> None:
         """Puts back the job the last `pop` took (deque.append after deque.pop)."""
