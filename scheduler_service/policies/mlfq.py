@@ -191,8 +191,12 @@ class QueuePolicy(Policy):
     def on_finished(self, request: Request, now: float) -> None:
         if isinstance(request.policy_state, JobState):
             self.queues.discard(request)
-            if self.index_paused and request.policy_state.filed is not None:
-                self.paused.touch(request)
+            st: JobState = request.policy_state
+            if st.filed is not None:
+                # NOTE: its entry is dropped by identity: a job handed back to the router may be
+                # placed elsewhere (a new state) before this index's next sync
+                self.paused.drop(st.filed)
+                st.filed = None
         self.jobs.pop(request.request_id, None)
 
     def requeue(self, req: Request) -> None:

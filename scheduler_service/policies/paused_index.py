@@ -7,8 +7,8 @@ and grew with the paused set (18,000 paused at 1,000 / 100,000). A paused job's 
 only when its policy moves it (and says so), so the paused jobs stay in a sorted list that a
 step touches only where it pauses, resumes or reads jobs.
 
-    Scheduler.preempt ──on_preempted──> PausedIndex.touch (also: re-ranked while paused,
-       recomputed, finished)
+    Scheduler.preempt ──on_preempted──> PausedIndex.touch (also: re-ranked while paused)
+    end / return to the router / hand-off ──on_finished──> PausedIndex.drop (its entry)
     step start: PausedIndex.sync ──> `entries` holds exactly kept + swapped, by rank
     RankedHolders(running sorted this step, index): popleft / pop like a deque over
        running + paused in rank order, through two cursors into `entries` (consumed ends)
@@ -56,12 +56,17 @@ class PausedIndex:
         self.entries: list[Entry] = []
         self.lo = self.hi = 0  # the step's view consumed entries[:lo] and entries[hi:]
         self.pending: list[Request] = []  # touched since the last sync
+        self.gone: list[Entry] = []  # entries of jobs that ended or left the worker since
         self.rebuilds = 0  # syncs that found the list off the paused set and sorted it again
 
     def touch(self, req: Request) -> None:
-        """The job was paused, re-ranked while paused, or left the paused set by a path
-        that does not consume it from a step's view (recompute, end): refiled at the next sync."""
+        """The job was paused, re-ranked while paused, or recomputed (left the paused set
+        without a step's view consuming it): refiled at the next sync."""
         self.pending.append(req)
+
+    def drop(self, entry: Entry) -> None:
+        """The entry's job ended or left this worker: its entry goes at the next sync."""
+        self.gone.append(entry)
 
     def sync(self, kept: Mapping[str, Request], swapped: Mapping[str, Request]) -> None:
         """Folds the last step's view and the touched jobs back into the list; afterwards it
@@ -72,6 +77,11 @@ class PausedIndex:
             # touched): an entry stays while its job is paused and it is still the job's entry.
             # The survivors of each end stay in order on their side of the untouched middle.
             entries = _survivors(entries[:lo]) + entries[lo:hi] + _survivors(entries[hi:])
+        for e in self.gone:
+            i = bisect_left(entries, e)
+            if i < len(entries) and entries[i] is e:
+                del entries[i]
+        self.gone = []
         for req in self.pending:
             st = req.policy_state
             status = req.status
@@ -98,7 +108,8 @@ class PausedIndex:
             # NOTE: a path that moved a paused job without `touch`: correct over fast
             self.rebuilds += 1
             for e in entries:
-                e[3].policy_state.filed = None
+                if e[3].policy_state.filed is e:  # NOTE: another worker's state is not ours to reset
+                    e[3].policy_state.filed = None
             entries = sorted((*r.policy_state.rank, r) for r in [*kept.values(), *swapped.values()])
             for e in entries:
                 e[3].policy_state.filed = e

@@ -146,3 +146,38 @@ def test_the_paused_index_makes_the_decisions_of_sorting_every_kv_holder() -> No
             assert indexed == sorted_each_step, (memory, seed)
             assert preempted == preempted_sorted
             assert any("kv_pressure" in k for k in preempted), f"{memory}: no eviction, nothing tested"
+
+
+def test_paused_jobs_handed_back_to_the_router_leave_both_indexes_exact() -> None:
+    """Jobs paused on one worker and handed back (the worker is evacuated) are placed on another
+    before the first steps again: each worker's index must still hold exactly its own paused
+    jobs, without the fallback re-sort (which would mean a job moved without the index's hooks)."""
+    import random
+
+    rng = random.Random(5)
+    first = make_scheduler("fastserve:quantum_s=0.01", num_gpu_blocks=48, max_num_seqs=4, max_model_len=512)
+    second = make_scheduler("fastserve:quantum_s=0.01", num_gpu_blocks=48, max_num_seqs=4, max_model_len=512)
+    now = 0.0
+    for i in range(12):
+        first.add_request(make_request(f"r{i}", rng.randint(4, 40), rng.randint(10, 30)), now)
+    for _ in range(6):
+        step(first, now)
+        now += 0.01
+    assert first.kept, "nothing paused: nothing to hand back"
+    for req in first.evacuate(now):
+        second.add_request(req, now)
+    for i in range(12, 20):
+        first.add_request(make_request(f"r{i}", rng.randint(4, 40), rng.randint(2, 10)), now)
+    for sched in (second, first):
+        for _ in range(5):
+            step(sched, now)
+            now += 0.01
+        index = sched.policy.paused
+        index.sync(sched.kept, sched.swapped)
+        assert sorted(e[3].request_id for e in index.entries) == sorted([*sched.kept, *sched.swapped])
+    run_to_completion(first)
+    run_to_completion(second)
+    first.assert_empty()
+    second.assert_empty()
+    assert first.policy.paused.rebuilds == 0
+    assert second.policy.paused.rebuilds == 0
