@@ -159,20 +159,25 @@ class BlockPool:
         taken = free[len(free) - from_stack :]
         del free[len(free) - from_stack :]
         taken.reverse()  # the stack's top holds the lowest ids: hand them out in order
-        for _ in range(num_blocks - from_stack):
-            taken.append(self._evict_oldest())
+        if num_blocks > from_stack:
+            self._evict_into(taken, num_blocks - from_stack)
         ref = self._ref
         for b in taken:
             ref[b] = 1
         return taken
 
-    def _evict_oldest(self) -> int:
-        block, _ = self._evictable.popitem(last=False)
-        h = self._hash_of.pop(block)
-        if h is not None:
-            del self.by_hash[h]
-        self.num_evictions += 1
-        return block
+    def _evict_into(self, taken: list[int], n: int) -> None:
+        """Takes the n oldest blocks of the LRU into `taken`, forgetting their hashes (one call
+        per allocation: with prefix caching on, every block a finished request freed comes back
+        through here)."""
+        evictable, hash_of, by_hash = self._evictable, self._hash_of, self.by_hash
+        for _ in range(n):
+            block, _ = evictable.popitem(last=False)
+            h = hash_of.pop(block)
+            if h is not None:
+                del by_hash[h]
+            taken.append(block)
+        self.num_evictions += n
 
     def share(self, block_ids: Iterable[int]) -> None:
         """Takes one more reference on registered blocks (a prefix hit); blocks nobody used
@@ -216,6 +221,13 @@ class BlockPool:
         registered blocks freed with it, and no hash is computed for it."""
         if block_id not in self._hash_of:
             self._hash_of[block_id] = None
+
+    def park_all(self, block_ids: Iterable[int]) -> None:
+        """`park` of each block (one call per ended request)."""
+        hash_of = self._hash_of
+        for b in block_ids:
+            if b not in hash_of:
+                hash_of[b] = None
 
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """Blocks of the longest run of `hashes`, from the first, that the cache holds."""
@@ -372,9 +384,7 @@ class KVCacheManager:
         table = self.gpu_tables.get(request_id)
         if not self.prefix_caching or table is None:
             return
-        park = self.gpu.park
-        for i in range(self._num_registered.get(request_id, 0), min(num_full_blocks, len(table))):
-            park(table[i])
+        self.gpu.park_all(table[self._num_registered.get(request_id, 0) : min(num_full_blocks, len(table))])
 
     def num_registered(self, request_id: str) -> int:
         """Leading blocks of the request's table already offered to the prefix cache."""

@@ -342,6 +342,18 @@ class Scheduler:
 
     def _detach(self, req: Request) -> None:
         rid = req.request_id
+        # NOTE: the set its status names first (a resume or a pause moves dozens of jobs a step
+        # under the queue policies); a request sits in one set at most, so this finds the same.
+        status = req.status
+        first = (
+            self.kept
+            if status is RequestStatus.PREEMPTED_KEPT
+            else self.running
+            if status is RequestStatus.DECODING or status is RequestStatus.PREFILLING
+            else None
+        )
+        if first is not None and first.pop(rid, None) is not None:
+            return
         for group in (self.running, self.waiting, self.swapped, self.kept):
             if group.pop(rid, None) is not None:
                 return

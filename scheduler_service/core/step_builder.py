@@ -147,6 +147,10 @@ class StepBuilder:
             or not request.status.is_waiting
         ):
             return []
+        if request.prefix_salt is None and request.prefix_source is None and request.prompt_token_ids is None:
+            # NOTE: no block of it is named by tokens and none of its salted ones was hashed
+            # (so none registered): `lookup_hashes` would give nothing to look up.
+            return []
         evictions = self.kv.gpu.num_evictions
         memo = self._hits.get(request.request_id)
         if memo is not None and memo[0] == evictions:
@@ -319,6 +323,17 @@ class StepBuilder:
             mode = PreemptionMode.RECOMPUTE  # swap space full: recompute is the only way out
         self._sched.preempt(request, mode, reason, self.now, to_front=to_front)
         self.num_preempted += 1
+
+    def pause(self, requests: list[Request], reason: PreemptionReason) -> None:
+        """Preempts running requests that are not in this step, keeping their KV on the GPU:
+        what `preempt(req, KEEP, reason)` does to each, in order, without its checks for
+        the modes that move KV (queue policies pause dozens of jobs a step this way)."""
+        preempt, now, keep = self._sched.preempt, self.now, PreemptionMode.KEEP
+        for request in requests:
+            if request.request_id in self.scheduled:
+                raise ValueError(f"{request!r} is in this step; unschedule or preempt it instead")
+            preempt(request, keep, reason, now, to_front=True)
+        self.num_preempted += len(requests)
 
     def _swap_out(self, request: Request) -> bool:
         pairs = self.kv.swap_out(request.request_id)

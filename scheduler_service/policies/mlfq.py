@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 from abc import abstractmethod
+from bisect import bisect_right
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,13 +36,26 @@ from scheduler_service.core.policy import Policy, PolicyConfig, PolicyContext
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
+from scheduler_service.policies.paused_index import PausedIndex, RankedHolders
 
 # NOTE: a waiting head whose prompt does not fit the step's leftover tokens is set aside;
 # after this many the walk stops looking at waiting jobs for this step (bounds the pops).
 MAX_SKIPPED_WAITING = 32
 
 Rank = tuple[int, float, int]
-Victims = deque[Request]  # GPU holders ranked below the current job, worst at the right
+
+
+class RankDeque(deque[Request]):
+    """KV holders in rank order (a deque over a sorted list), with RankedHolders' peek."""
+
+    def pop_before(self, limit: Rank | None) -> Request | None:
+        """The best job left if it ranks at or before `limit` (None: any), else None."""
+        if self and (limit is None or self[0].policy_state.rank <= limit):
+            return self.popleft()
+        return None
+
+
+Victims = RankDeque | RankedHolders  # GPU holders ranked below the current job, worst at the right
 
 
 class MemoryMode(StrEnum):
@@ -64,6 +78,7 @@ class JobState:
     predicted: int = 0  # ALISE: predicted output tokens (doubled on misprediction)
     attained: float = 0.0  # FastServe: service received in the current level
     rank: Rank = (0, 0.0, 0)  # while it holds KV: its rank as last refreshed
+    filed: tuple[int, float, int, Request] | None = None  # its entry in the policy's PausedIndex
 
 
 class LevelQueues:
@@ -113,9 +128,13 @@ class LevelQueues:
     def pop(self) -> Request | None:
         req = self.peek()
         if req is not None:
-            heapq.heappop(self.heaps[req.policy_state.level])
-            self.discard(req)
+            self.take(req)
         return req
+
+    def take(self, head: Request) -> None:
+        """Pops `head`, which `peek` returned with no push or discard since."""
+        heapq.heappop(self.heaps[head.policy_state.level])
+        self.discard(head)
 
 
 @dataclass
@@ -128,6 +147,10 @@ class QueuePolicy(Policy):
     """Iteration-level preemptive scheduling over ranked levels; subclasses rank jobs."""
 
     config: QueuePolicyConfig
+    # True: paused jobs sit in a PausedIndex and a step reads them lazily (their ranks change
+    # only where the policy says so, through `rerank_paused`); False: every KV holder is
+    # sorted each step into `ranked` (a policy whose later passes read all of them)
+    index_paused = False
 
     def __init__(self, config: PolicyConfig, ctx: PolicyContext, num_levels: int) -> None:
         super().__init__(config, ctx)
@@ -137,6 +160,8 @@ class QueuePolicy(Policy):
         self.jobs: dict[str, Request] = {}  # every unfinished job on this worker
         self.ranked: list[Request] = []  # this step's KV holders in rank order (ranks in policy_state.rank)
         self.admitted: list[Request] = []  # waiting jobs this step admitted
+        self.paused = PausedIndex()  # with `index_paused`: the kept and swapped jobs by rank
+        self._ranked_at: StepBuilder | None = None  # the step `ranked` was sorted in (prefill pass)
         self._seq = 0
         # counters for reports (`stats_report`): which preemption path moved a job, and why
         self.stats: Counter[str] = Counter()
@@ -160,10 +185,18 @@ class QueuePolicy(Policy):
     def on_preempted(self, request: Request, now: float) -> None:
         if request.status is RequestStatus.PREEMPTED_RECOMPUTE:
             self.requeue(request)
+        if self.index_paused:
+            self.paused.touch(request)
 
     def on_finished(self, request: Request, now: float) -> None:
         if isinstance(request.policy_state, JobState):
             self.queues.discard(request)
+            st: JobState = request.policy_state
+            if st.filed is not None:
+                # NOTE: its entry is dropped by identity: a job handed back to the router may be
+                # placed elsewhere (a new state) before this index's next sync
+                self.paused.drop(st.filed)
+                st.filed = None
         self.jobs.pop(request.request_id, None)
 
     def requeue(self, req: Request) -> None:
@@ -187,9 +220,11 @@ class QueuePolicy(Policy):
             step.metadata["phase"] = "prefill"
         else:
             self.fill_batch(step, admit_waiting=self.hybrid_batches)
-            for req in [r for r in step.running.values() if not step.is_scheduled(r)]:
-                step.preempt(req, PreemptionMode.KEEP, PreemptionReason.PRIORITY)
-                self.stats["priority_pauses"] += 1
+            scheduled = step.scheduled
+            idle = [r for r in step.running.values() if r.request_id not in scheduled]
+            if idle:
+                step.pause(idle, PreemptionReason.PRIORITY)
+                self.stats["priority_pauses"] += len(idle)
         self.after_batch(step, now)
         # NOTE: dropped at once, so this step's thousands of (rank, job) pairs die young
         # instead of surviving into the collector's oldest generation: kept until the next
@@ -197,6 +232,7 @@ class QueuePolicy(Policy):
         # stalls with FastServe's thousands of paused jobs).
         self.ranked = []
         self.admitted = []
+        self._ranked_at = None
 
     def before_step(self, step: StepBuilder, now: float) -> None:
         """Level changes that do not depend on the batch (aging)."""
@@ -216,6 +252,7 @@ class QueuePolicy(Policy):
         (whole prompts) while seats, tokens and KV allow; a head may evict only GPU holders
         ranked below it. Returns how many were admitted."""
         self.ranked = self.ranked_kv_jobs(step)
+        self._ranked_at = step
         self.admitted = []
         skipped: list[Request] = []
         budget, queues = step.budget, self.queues
@@ -227,7 +264,8 @@ class QueuePolicy(Policy):
             if len(step.running) >= self.ctx.max_num_seqs and not self._pause_worse(step, head_rank):
                 break
             queues.pop()
-            victims: Victims = deque(r for r in self.ranked if r.policy_state.rank > head_rank)
+            # NOTE: `ranked` is sorted by rank (unique): the jobs below the head are a tail of it
+            victims = RankDeque(self.ranked[bisect_right(self.ranked, head_rank, key=_RANK) :])
             verdict = self._admit(step, head, victims)
             if verdict and step.is_scheduled(head):
                 self.admitted.append(head)
@@ -261,6 +299,31 @@ class QueuePolicy(Policy):
         for r in jobs:
             r.policy_state.rank = rank(r)
 
+    def rerank_paused(self, req: Request) -> None:
+        """A paused job's rank moved (its policy changed its level): refreshed, and refiled."""
+        self.refresh_ranks((req,))
+        if self.index_paused:
+            self.paused.touch(req)
+
+    def kv_holders(self, step: StepBuilder) -> Victims:
+        """Every KV holder in rank order, to consume from both ends: the running jobs re-ranked
+        and sorted, merged with the paused index (`index_paused`), or `ranked_kv_jobs`."""
+        if not self.index_paused:
+            if self._ranked_at is step:
+                # NOTE: ranked by this step's prefill pass, which admitted nothing: no job's
+                # rank moved since, and the holders are those of then less any it evicted
+                # to recompute (as a new ranking would find them).
+                running, kept, swapped = step.running, step.kept, step.swapped
+                self.ranked = [
+                    r for r in self.ranked if (rid := r.request_id) in running or rid in kept or rid in swapped
+                ]
+            else:
+                self.ranked = self.ranked_kv_jobs(step)
+            return RankDeque(self.ranked)
+        self.paused.sync(step.kept, step.swapped)
+        self.refresh_ranks(step.running.values())
+        return RankedHolders(sorted([(*r.policy_state.rank, r) for r in step.running.values()]), self.paused)
+
     def ranked_kv_jobs(self, step: StepBuilder) -> list[Request]:
         """Every KV holder, best rank first.
 
@@ -279,30 +342,31 @@ class QueuePolicy(Policy):
         """Runs jobs in rank order (KV holders and waiting heads merged, unless not
         `admit_waiting`) while seats and tokens last; lower-ranked GPU holders are the eviction
         victims (deque's right end)."""
-        self.ranked = self.ranked_kv_jobs(step)
+        kv_jobs = self.kv_holders(step)
         self.admitted = []
-        kv_jobs: Victims = deque(self.ranked)
         skipped: list[Request] = []
         budget, queues = step.budget, self.queues
+        pop_before, run_kv_job = kv_jobs.pop_before, self._run_kv_job
         waiting_open = admit_waiting
         head: Request | None = None
-        head_rank: Rank = (0, 0.0, 0)
+        head_rank: Rank | None = None  # a KV job runs first if it ranks at or before it (None: no head)
         peeked = -1  # queues.changes when head was peeked
         while budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
             if not waiting_open:
-                head = None
+                head = head_rank = None
             elif peeked != queues.changes:
                 # NOTE: re-peeked only when the queues moved (a pop, or a job an eviction
                 # sent back to recompute): most of a step is running jobs ranked ahead.
                 head = queues.peek()
-                head_rank = self.filed_rank(head) if head is not None else head_rank
+                head_rank = self.filed_rank(head) if head is not None else None
                 peeked = queues.changes
-            if kv_jobs and (head is None or kv_jobs[0].policy_state.rank <= head_rank):
-                self._run_kv_job(step, kv_jobs.popleft(), kv_jobs)
+            job = pop_before(head_rank)
+            if job is not None:
+                run_kv_job(step, job, kv_jobs)
                 continue
             if head is None:
                 break
-            queues.pop()
+            queues.take(head)  # NOTE: peeked when `changes` was what it is now
             verdict = self._admit(step, head, kv_jobs)
             if verdict and step.is_scheduled(head):
                 self.admitted.append(head)
@@ -318,14 +382,24 @@ class QueuePolicy(Policy):
 
     def _run_kv_job(self, step: StepBuilder, req: Request, victims: Victims) -> None:
         n = req.num_tokens_to_compute
-        if step.schedule_if_covered(req, n):
-            return  # NOTE: the hot path: a running job whose blocks are there
         status = req.status
-        if (status is RequestStatus.DECODING or status is RequestStatus.PREFILLING) and step.schedule(req, n):
-            return
+        kv = step.kv
+        if status is RequestStatus.DECODING or status is RequestStatus.PREFILLING:
+            if step.schedule_if_covered(req, n) or step.schedule(req, n):
+                return  # NOTE: the hot path: a running job whose blocks are there
+        elif status is RequestStatus.PREEMPTED_KEPT:
+            table = kv.gpu_tables.get(req.request_id)
+            if table and len(table) * kv.block_size >= req.num_computed_tokens + n:
+                # NOTE: the common resume (FastServe resumes dozens a step): its blocks cover
+                # the step, so there is nothing to allocate or evict (the general path below
+                # would find no block needed and do just this).
+                if step.budget.can_fit(n):
+                    step.resume(req)
+                    if not step.schedule_if_covered(req, n):
+                        step.schedule(req, n)
+                return
         if not step.budget.can_fit(n):
             return
-        kv = step.kv
         target = req.num_computed_tokens + n
         swapped = status is RequestStatus.PREEMPTED_SWAPPED
         need = kv.num_blocks_for(target) if swapped else kv.num_new_blocks(req.request_id, target)

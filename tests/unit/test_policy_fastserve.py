@@ -96,6 +96,88 @@ def test_queue_policies_sort_paused_jobs_by_ranks_that_are_still_current() -> No
                 for req in [*sched.kept.values(), *sched.swapped.values()]:
                     assert req.policy_state.rank == sched.policy.rank(req), (spec, req)
                     paused_checked += 1
+                if sched.policy.index_paused:
+                    # the paused index, brought up to date as a step would, holds exactly
+                    # the paused jobs under their ranks now, in rank order
+                    index = sched.policy.paused
+                    index.sync(sched.kept, sched.swapped)
+                    paused = sorted(
+                        (r.policy_state.rank, r.request_id) for r in [*sched.kept.values(), *sched.swapped.values()]
+                    )
+                    assert [((lvl, key, seq), r.request_id) for lvl, key, seq, r in index.entries] == paused, spec
+        if sched.policy.index_paused:
+            assert sched.policy.paused.rebuilds == 0, f"{spec}: a paused job moved without the index being told"
         assert paused_checked > 100, f"{spec}: the workload paused too few jobs to test anything"
         run_to_completion(sched)
         sched.assert_empty()
+
+
+def _plan_trace(spec: str, index_paused: bool, seed: int) -> tuple[list[tuple[object, ...]], dict[str, int]]:
+    """Every step's decisions for a random workload on a small, contended GPU."""
+    import random
+
+    rng = random.Random(seed)
+    sched = make_scheduler(spec, num_gpu_blocks=40, num_cpu_blocks=24, max_num_seqs=6, max_model_len=512)
+    sched.policy.index_paused = index_paused  # type: ignore[attr-defined]
+    trace: list[tuple[object, ...]] = []
+    now = 0.0
+    for i in range(120):
+        sched.add_request(make_request(f"r{i}", rng.randint(4, 60), rng.randint(1, 40)), now)
+        for _ in range(rng.randint(1, 3)):
+            plan, _ = step(sched, now)
+            moves = tuple((m.kind, m.request_id, m.src_block_ids, m.dst_block_ids) for m in plan.kv_moves)
+            trace.append((tuple(plan.num_scheduled_tokens.items()), moves, len(sched.kept), len(sched.swapped)))
+            now += 0.01
+    run_to_completion(sched)
+    sched.assert_empty()
+    preemptions = {f"{mode}/{reason}": n for (mode, reason), n in sched.metrics.preemptions.items()}
+    return trace, preemptions
+
+
+def test_the_paused_index_makes_the_decisions_of_sorting_every_kv_holder() -> None:
+    """FastServe reads its paused jobs from an index kept up to date by hooks; the generic path
+    sorts every KV holder each step. Under KV pressure (evictions from the worst end, swaps,
+    recomputes, jobs put back) both must make the same decisions, step by step."""
+    for memory in ("swap", "recompute", "defer"):
+        for seed in (1, 2):
+            spec = f"fastserve:quantum_s=0.01,memory={memory}"
+            indexed, preempted = _plan_trace(spec, True, seed)
+            sorted_each_step, preempted_sorted = _plan_trace(spec, False, seed)
+            assert indexed == sorted_each_step, (memory, seed)
+            assert preempted == preempted_sorted
+            assert any("kv_pressure" in k for k in preempted), f"{memory}: no eviction, nothing tested"
+
+
+def test_paused_jobs_handed_back_to_the_router_leave_both_indexes_exact() -> None:
+    """Jobs paused on one worker and handed back (the worker is evacuated) are placed on another
+    before the first steps again: each worker's index must still hold exactly its own paused
+    jobs, without the fallback re-sort (which would mean a job moved without the index's hooks)."""
+    import random
+
+    rng = random.Random(5)
+    first = make_scheduler("fastserve:quantum_s=0.01", num_gpu_blocks=48, max_num_seqs=4, max_model_len=512)
+    second = make_scheduler("fastserve:quantum_s=0.01", num_gpu_blocks=48, max_num_seqs=4, max_model_len=512)
+    now = 0.0
+    for i in range(12):
+        first.add_request(make_request(f"r{i}", rng.randint(4, 40), rng.randint(10, 30)), now)
+    for _ in range(6):
+        step(first, now)
+        now += 0.01
+    assert first.kept, "nothing paused: nothing to hand back"
+    for req in first.evacuate(now):
+        second.add_request(req, now)
+    for i in range(12, 20):
+        first.add_request(make_request(f"r{i}", rng.randint(4, 40), rng.randint(2, 10)), now)
+    for sched in (second, first):
+        for _ in range(5):
+            step(sched, now)
+            now += 0.01
+        index = sched.policy.paused
+        index.sync(sched.kept, sched.swapped)
+        assert sorted(e[3].request_id for e in index.entries) == sorted([*sched.kept, *sched.swapped])
+    run_to_completion(first)
+    run_to_completion(second)
+    first.assert_empty()
+    second.assert_empty()
+    assert first.policy.paused.rebuilds == 0
+    assert second.policy.paused.rebuilds == 0

@@ -224,7 +224,7 @@ class AlisePolicy(QueuePolicy):
         if waiting:
             self.requeue(req)
         else:
-            self.refresh_ranks((req,))  # a paused KV holder is sorted by its cached rank
+            self.rerank_paused(req)  # a paused KV holder is sorted by its cached rank
 
     @property
     def hybrid_batches(self) -> bool:
@@ -238,9 +238,17 @@ class AlisePolicy(QueuePolicy):
         if self.memory is not MemoryMode.SWAP or not (step.kept or step.swapped):
             return
         kept, swapped, scheduled = step.kept, step.swapped, step.scheduled
+        # NOTE: every job scheduled is running, and every running job that sits out was ranked
+        # (admitted jobs are scheduled), so the walk below counts this many idle ones.
+        idle = len(step.running) - len(scheduled)
+        slots = self._job_limit(step, len(scheduled) + len(kept) + idle) - len(scheduled) - idle
+        if not swapped and slots > len(kept) + len(self.queues):
+            # Nothing to do, which the EWTs would find after sorting every paused job: no job
+            # is swapped out (to bring back), and the limit M cannot run out before the last
+            # paused job's turn even after every level's waiting jobs are counted against it.
+            return
         by_level: dict[int, list[tuple[Rank, Request]]] = {}
         ahead = 0.0
-        idle = 0  # running jobs sitting out a prefill-only step (they keep their seat)
         for req in self.ranked:  # already in rank order
             rank = req.policy_state.rank
             rid = req.request_id
@@ -248,24 +256,31 @@ class AlisePolicy(QueuePolicy):
                 by_level.setdefault(rank[0], []).append((rank, req))
             elif rid in scheduled or req.status.is_running:
                 ahead += rank[1]
-                idle += rid not in scheduled
         ahead += sum(r.policy_state.key for r in self.admitted)  # their key is their remaining time
-        slots = self._job_limit(step, len(scheduled) + len(kept) + idle) - len(scheduled) - idle
         for level in range(self.num_levels):
             if level:
                 ahead += self.queues.sums[level - 1]
-            ewts, ahead = self._ewts(by_level.get(level, ()), ahead, now)
-            ewts.sort(key=_first_two)
-            for _, _, req in ewts:
-                if slots > 0:
-                    if req.status is RequestStatus.PREEMPTED_SWAPPED:
-                        self._swap_in_early(step, req)
-                elif req.status is RequestStatus.PREEMPTED_KEPT and self.can_swap_out(step, req):
-                    # NOTE: a proactive swap-out the swap space cannot take is skipped (the job
-                    # stays paused on the GPU), never turned into a recompute.
-                    step.preempt(req, PreemptionMode.SWAP, PreemptionReason.PRIORITY)
-                    self.stats["ewt_swap_outs"] += 1  # Algorithm 2's proactive swap-out
-                slots -= 1
+            jobs = by_level.get(level, [])
+            if slots >= len(jobs) and not any(r.status is RequestStatus.PREEMPTED_SWAPPED for _, r in jobs):
+                # NOTE: each of the level's jobs finds a slot and none is swapped out, so no
+                # EWT order changes anything here: only what they add to `ahead` (in rank
+                # order, as `_ewts` adds it) is needed.
+                for rank, _ in jobs:
+                    ahead += rank[1]
+                slots -= len(jobs)
+            else:
+                ewts, ahead = self._ewts(jobs, ahead, now)
+                ewts.sort(key=_first_two)
+                for _, _, req in ewts:
+                    if slots > 0:
+                        if req.status is RequestStatus.PREEMPTED_SWAPPED:
+                            self._swap_in_early(step, req)
+                    elif req.status is RequestStatus.PREEMPTED_KEPT and self.can_swap_out(step, req):
+                        # NOTE: a proactive swap-out the swap space cannot take is skipped (the
+                        # job stays paused on the GPU), never turned into a recompute.
+                        step.preempt(req, PreemptionMode.SWAP, PreemptionReason.PRIORITY)
+                        self.stats["ewt_swap_outs"] += 1  # Algorithm 2's proactive swap-out
+                    slots -= 1
             # NOTE: the paper's M -= len(q); the queue's waiting jobs count too (they are
             # ranked against its paused ones), which offloads deep queues under load.
             slots -= self.queues.counts[level]

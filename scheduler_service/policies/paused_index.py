@@ -1,0 +1,183 @@
+"""The KV holders of a queue policy (`policies/mlfq.py`) in rank order without sorting the
+paused ones every step.
+
+Why: FastServe pauses thousands of jobs on the GPU (their KV kept) and ranked every KV holder
+each step; sorting them all was a fifth of its `schedule()` at 256 running / 10,000 waiting
+and grew with the paused set (18,000 paused at 1,000 / 100,000). A paused job's rank changes
+only when its policy moves it (and says so), so the paused jobs stay in a sorted list that a
+step touches only where it pauses, resumes or reads jobs.
+
+    Scheduler.preempt ──on_preempted──> PausedIndex.touch (also: re-ranked while paused)
+    end / return to the router / hand-off ──on_finished──> PausedIndex.drop (its entry)
+    step start: PausedIndex.sync ──> `entries` holds exactly kept + swapped, by rank
+    RankedHolders(running sorted this step, index): popleft / pop like a deque over
+       running + paused in rank order, through two cursors into `entries` (consumed ends)
+
+Entries are flat (level, key, seq, job) tuples (a rank's three fields, then the job: flat
+tuples compare faster than nested ones); ranks are unique (seq is the job's sequence number),
+so the order is the total order a sort of every KV holder gives, and a job is never compared.
+A job's `JobState.filed` is its entry while it is in the list (None: not in it).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from scheduler_service.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from scheduler_service.policies.mlfq import Rank
+
+Entry = tuple[int, float, int, Request]  # a rank's fields, then its job
+
+_KEPT, _SWAPPED = RequestStatus.PREEMPTED_KEPT, RequestStatus.PREEMPTED_SWAPPED
+
+
+def _survivors(entries: list[Entry]) -> list[Entry]:
+    """The consumed entries that stay: the job is still paused and this is still its entry."""
+    out = []
+    for e in entries:
+        st = e[3].policy_state
+        if st.filed is e:
+            status = e[3].status
+            if status is _KEPT or status is _SWAPPED:
+                out.append(e)
+            else:
+                st.filed = None
+    return out
+
+
+class PausedIndex:
+    """Paused KV holders (kept or swapped), sorted by rank, kept exact by `touch` + `sync`."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.lo = self.hi = 0  # the step's view consumed entries[:lo] and entries[hi:]
+        self.pending: list[Request] = []  # touched since the last sync
+        self.gone: list[Entry] = []  # entries of jobs that ended or left the worker since
+        self.rebuilds = 0  # syncs that found the list off the paused set and sorted it again
+
+    def touch(self, req: Request) -> None:
+        """The job was paused, re-ranked while paused, or recomputed (left the paused set
+        without a step's view consuming it): refiled at the next sync."""
+        self.pending.append(req)
+
+    def drop(self, entry: Entry) -> None:
+        """The entry's job ended or left this worker: its entry goes at the next sync."""
+        self.gone.append(entry)
+
+    def sync(self, kept: Mapping[str, Request], swapped: Mapping[str, Request]) -> None:
+        """Folds the last step's view and the touched jobs back into the list; afterwards it
+        holds exactly the paused jobs, each under its current rank."""
+        entries, lo, hi = self.entries, self.lo, self.hi
+        if lo or hi < len(entries):
+            # NOTE: only the consumed ends are checked (a job in the middle changed only if
+            # touched): an entry stays while its job is paused and it is still the job's entry.
+            # The survivors of each end stay in order on their side of the untouched middle.
+            entries = _survivors(entries[:lo]) + entries[lo:hi] + _survivors(entries[hi:])
+        for e in self.gone:
+            i = bisect_left(entries, e)
+            if i < len(entries) and entries[i] is e:
+                del entries[i]
+        self.gone = []
+        for req in self.pending:
+            st = req.policy_state
+            status = req.status
+            filed = st.filed
+            if status is _KEPT or status is _SWAPPED:
+                rank = st.rank
+                if filed is not None and filed[0] == rank[0] and filed[1] == rank[1] and filed[2] == rank[2]:
+                    continue
+            elif filed is None:
+                continue
+            else:
+                rank = None
+            if filed is not None:
+                i = bisect_left(entries, filed)
+                if i < len(entries) and entries[i] is filed:
+                    del entries[i]
+            if rank is not None:
+                st.filed = (*rank, req)
+                insort(entries, st.filed)
+            else:
+                st.filed = None
+        self.pending = []
+        if len(entries) != len(kept) + len(swapped):
+            # NOTE: a path that moved a paused job without `touch`: correct over fast
+            self.rebuilds += 1
+            for e in entries:
+                if e[3].policy_state.filed is e:  # NOTE: another worker's state is not ours to reset
+                    e[3].policy_state.filed = None
+            entries = sorted((*r.policy_state.rank, r) for r in [*kept.values(), *swapped.values()])
+            for e in entries:
+                e[3].policy_state.filed = e
+        self.entries = entries
+        self.lo, self.hi = 0, len(entries)
+
+
+class RankedHolders:
+    """One step's KV holders in rank order, consumed from both ends like a deque: the running
+    jobs (sorted this step) merged with the paused index's entries through its cursors."""
+
+    __slots__ = ("_hi", "_index", "_last", "_lo", "_paused", "_run")
+
+    def __init__(self, running: list[Entry], index: PausedIndex) -> None:
+        """`running`: the running jobs' entries, sorted."""
+        self._run = running
+        self._lo, self._hi = 0, len(running)
+        self._index = index
+        self._paused = index.entries
+        self._last = False  # the last `pop` took a paused job
+
+    def __bool__(self) -> bool:
+        return self._lo < self._hi or self._index.lo < self._index.hi
+
+    def pop_before(self, limit: Rank | None) -> Request | None:
+        """The best job left if it ranks at or before `limit` (None: any), else None."""
+        index = self._index
+        paused = self._paused[index.lo] if index.lo < index.hi else None
+        # NOTE: an entry against a rank compares its three fields first: never equal, as the
+        # rank is another job's
+        if self._lo < self._hi:
+            entry = self._run[self._lo]
+            if paused is None or entry < paused:
+                if limit is None or entry <= limit:
+                    self._lo += 1
+                    return entry[3]
+                return None
+        if paused is not None and (limit is None or paused <= limit):
+            index.lo += 1
+            return paused[3]
+        return None
+
+    def popleft(self) -> Request:
+        index = self._index
+        if self._lo < self._hi and (index.lo >= index.hi or self._run[self._lo] < self._paused[index.lo]):
+            self._lo += 1
+            return self._run[self._lo - 1][3]
+        if index.lo >= index.hi:
+            raise IndexError("popleft from an empty ranking")
+        index.lo += 1
+        return self._paused[index.lo - 1][3]
+
+    def pop(self) -> Request:
+        """The worst job left."""
+        index = self._index
+        if self._lo < self._hi and (index.lo >= index.hi or self._run[self._hi - 1] > self._paused[index.hi - 1]):
+            self._hi -= 1
+            self._last = False
+            return self._run[self._hi][3]
+        if index.lo >= index.hi:
+            raise IndexError("pop from an empty ranking")
+        index.hi -= 1
+        self._last = True
+        return self._paused[index.hi][3]
+
+    def append(self, req: Request) -> None:
+        """Puts back the job the last `pop` took (deque.append after deque.pop)."""
+        if self._last:
+            self._index.hi += 1
+        else:
+            self._hi += 1
