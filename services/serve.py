@@ -63,6 +63,7 @@ from urllib.parse import urlparse
 
 from scheduler_service.live.config import LiveConfig
 from services.affinity import child_cpus, parse_cpus, pin_self
+from services.child import launcher_command
 from sluice.common.config import add_config_arguments, config_from, opt, subset
 from sluice.common.security import (
     ClientSecurity,
@@ -275,48 +276,6 @@ async def spawn_worker(cfg: ServeConfig, worker_id: int, port: int = 0) -> Worke
     return await spawn_process(cmd, worker_environment(cfg), worker_id, cpus=cfg.worker_cpu_set())
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent(parent: int) -> None:
-    """In a child before exec: the kernel SIGKILLs it when `sluice serve` dies, however it dies
-    (SIGKILL, the OOM killer), so no worker or predictor is left holding its port and memory.
-    NOTE: PR_SET_PDEATHSIG fires when the thread that forked exits; asyncio forks from the event
-    loop's thread, which lives as long as `sluice serve` does. A parent that died before the
-    call is caught by the getppid check. Elsewhere than Linux this does nothing (stop_workers
-    still ends the children on every orderly exit)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
-
-
-def child_setup(niceness: int, idle: bool, cpus: frozenset[int] | None = None) -> Callable[[], None]:
-    """What a child runs before it starts: death with its parent (die_with_parent), its niceness,
-    SCHED_IDLE where the OS has it, and the CPUs it is pinned to (parse_cpus has checked that the
-    OS can pin and the CPUs are ours).
-    NOTE: a niceness of 10 still leaves the predictor about a tenth of a contended core, taken at
-    the moment a request arrives, which is when its prefill needs the core; an idle-class process
-    runs only on a core nothing else wants (its answers are never awaited, only later)."""
-    idle = idle and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
-    parent = os.getpid()
-
-    def apply() -> None:
-        die_with_parent(parent)
-        if cpus:
-            os.sched_setaffinity(0, cpus)  # inherited across exec, by every thread the child starts
-        if niceness:
-            os.nice(niceness)
-        if idle:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-
-    return apply
-
-
 async def spawn_process(
     cmd: Sequence[str],
     env: dict[str, str],
@@ -325,16 +284,61 @@ async def spawn_process(
     idle: bool = False,
     cpus: frozenset[int] | None = None,
 ) -> WorkerProcess:
-    proc = await asyncio.create_subprocess_exec(
-        *cmd,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-        preexec_fn=child_setup(niceness, idle, child_cpus(cpus)),
-    )
+    """`cmd` as a child of this process, started through services/child.py: it dies with this
+    process and runs at the niceness, priority and CPUs given (set before `cmd` starts, done
+    when this returns; RuntimeError naming the child when a step failed)."""
+    read_fd, write_fd = os.pipe()
+    try:
+        launcher = launcher_command(
+            cmd, write_fd, parent=os.getpid(), cpus=child_cpus(cpus), niceness=niceness, idle=idle
+        )
+        # NOTE: no preexec_fn: it would fork this process (gRPC threads running) and run Python
+        # in the child; without one the child starts with vfork and exec (services/child.py)
+        proc = await asyncio.create_subprocess_exec(
+            *launcher,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            pass_fds=(write_fd,),
+        )
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
     child = WorkerProcess(worker_id, proc)
     child._drains.append(asyncio.create_task(_drain_stderr(child)))
+    problem = await _read_until_closed(read_fd)
+    if problem:
+        await stop_workers([child])
+        raise RuntimeError(f"{child.name} could not be set up ({' '.join(cmd[:4])} ...): {problem}")
     return child
+
+
+async def _read_until_closed(fd: int) -> str:
+    """What is written to the pipe `fd` until its last writer closes it; `fd` is closed."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    data = bytearray()
+
+    def readable() -> None:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        if chunk:
+            data.extend(chunk)
+        elif not done.done():
+            done.set_result(None)
+
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    return data.decode(errors="replace")
 
 
 PREDICTOR_ID = -1
