@@ -15,7 +15,9 @@ Scenarios (requests sent as `sluice bench` sends them, by services/bench.run_req
                  HTTP in the same run: TTFT p50 / p99 of each path's half
     saturation   closed loop, --concurrency streams of --sat-tokens tokens, all over one path,
                  then all over the other (the first alternating by round): tokens/s, and the
-                 gateway's CPU seconds (utime + stime from /proc) per streamed token
+                 gateway's CPU seconds (utime + stime from /proc) per streamed token; the CPU
+                 of every process on the path per token (this client, gateway, scheduler,
+                 worker): where the cores' time goes on each path
 
     python benchmarks/gateway_overhead.py --rounds 3 --json docs/results/data/openai_api.json
 
@@ -49,6 +51,7 @@ from services.bench_openai import OpenAIBench
 from sluice.common.client import SluiceClient
 
 BACKENDS = ("grpc", "http")
+CPU_NAMES = ("client", "gateway", "scheduler", "worker")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -102,6 +105,15 @@ class Mixed:
             await send_grpc(client, record, t0, timeout)
         else:
             await client.send(record, t0, timeout)
+
+
+def cpu_now(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of this process (the client) and of each named process."""
+    return {"client": time.process_time(), **{name: cpu_seconds(pid) for name, pid in pids.items()}}
+
+
+def cpu_us_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    return {name: (after[name] - before[name]) / max(1, tokens) * 1e6 for name in before}
 
 
 def row_of(backend: str, scenario: str, records: list[RequestRecord], wall: float, gateway_cpu: float) -> dict:
@@ -170,8 +182,9 @@ def gateway_prepare_ms(port: int) -> float | None:
 
 
 async def one_round(
-    clients: dict[str, Any], first: str, scenario: str, tag: str, args: argparse.Namespace, gateway_pid: int
+    clients: dict[str, Any], first: str, scenario: str, tag: str, args: argparse.Namespace, pids: dict[str, int]
 ) -> list[dict[str, Any]]:
+    gateway_pid = pids["gateway"]
     if scenario == "paired":
         return await paired_round(clients, tag, args, gateway_pid)
     cpu0 = cpu_seconds(gateway_pid)
@@ -185,15 +198,18 @@ async def one_round(
     rows = []
     for backend in (first, BACKENDS[1 - BACKENDS.index(first)]):
         cpu0 = cpu_seconds(gateway_pid)
+        every0 = cpu_now(pids)
         start = time.perf_counter()
         requests = fixed_load(f"{tag}-{backend}", args.sat_requests, 32, args.sat_tokens)
         records = await run_requests(clients[backend], requests, concurrency=args.concurrency, progress=False)
         wall, cpu = time.perf_counter() - start, cpu_seconds(gateway_pid) - cpu0
-        rows.append(row_of(backend, scenario, records, wall, cpu))
+        row = row_of(backend, scenario, records, wall, cpu)
+        row["cpu_us_per_token"] = cpu_us_per_token(every0, cpu_now(pids), row["tokens"])
+        rows.append(row)
     return rows
 
 
-async def measure(args: argparse.Namespace, scheduler_port: int, gateway_port: int, gateway_pid: int) -> list[dict]:
+async def measure(args: argparse.Namespace, scheduler_port: int, gateway_port: int, pids: dict[str, int]) -> list[dict]:
     from tqdm import tqdm
 
     rows = []
@@ -212,7 +228,7 @@ async def measure(args: argparse.Namespace, scheduler_port: int, gateway_port: i
         steps = [(s, r) for s in args.scenarios for r in range(args.rounds)]
         for scenario, r in tqdm(steps, desc="gateway overhead", unit="round"):
             first = BACKENDS[r % 2]  # which path goes first (or takes the even requests) alternates
-            for row in await one_round(clients, first, scenario, f"{scenario}-{r}", args, gateway_pid):
+            for row in await one_round(clients, first, scenario, f"{scenario}-{r}", args, pids):
                 row["round"] = r
                 rows.append(row)
     return rows
@@ -265,7 +281,21 @@ def summary(rows: list[dict], scenarios: list[str]) -> dict[str, Any]:
             },
             "errors": sum(p[b]["errors"] for p in pairs for b in BACKENDS),
         }
+        if all("cpu_us_per_token" in p[b] for p in pairs for b in BACKENDS):
+            out[scenario]["cpu_us_per_token"] = {
+                b: {name: statistics.median(p[b]["cpu_us_per_token"][name] for p in pairs) for name in CPU_NAMES}
+                for b in BACKENDS
+            }
     return out
+
+
+def print_cpu(result: dict[str, Any]) -> None:
+    for scenario, s in result.items():
+        cpu = s.get("cpu_us_per_token")
+        if cpu:
+            for b in BACKENDS:
+                parts = ", ".join(f"{name} {cpu[b][name]:.1f}" for name in CPU_NAMES)
+                print(f"{scenario}, {b}: CPU us per token: {parts}; sum {sum(cpu[b].values()):.1f}")
 
 
 def print_paired(result: dict[str, Any]) -> None:
@@ -327,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             log_dir / f"sluice-gateway-bench-gateway-{os.getpid()}.log",
         )
         processes.append(gateway)
-        rows = asyncio.run(measure(args, scheduler_port, gateway_port, gateway.pid))
+        pids = {"gateway": gateway.pid, "scheduler": scheduler.pid, "worker": worker.process.pid}
+        rows = asyncio.run(measure(args, scheduler_port, gateway_port, pids))
         prepare_ms = gateway_prepare_ms(gateway_port)
     finally:
         for process in reversed(processes):
@@ -341,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"echo worker, `sluice scheduler`, `sluice gateway` processes; {os.cpu_count()} cores, {args.rounds} rounds")
     print_table(result)
     print_paired(result)
+    print_cpu(result)
     print(f"the gateway's own work before calling the scheduler (mean of all requests): {prepare_ms:.3f} ms")
     if args.json:
         doc = {

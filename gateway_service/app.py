@@ -1,4 +1,5 @@
-"""The OpenAI HTTP API as a Starlette app over the scheduler's gRPC Generate stream.
+"""The OpenAI HTTP API as an ASGI app over the scheduler's gRPC Generate stream: the two
+generation routes served by the gateway directly (GatewayApp), the rest by Starlette.
 
     POST /v1/completions, POST /v1/chat/completions
         Bearer key (401) -> body (413 / 400) -> protocol.parse_* (400 naming the field)
@@ -10,7 +11,8 @@
             a failure after the first token is an `data: {"error": ...}` event and no [DONE]
         else: the whole answer as JSON, or the error's status
         the client leaving (before or during the answer) cancels the gRPC calls: the scheduler
-        aborts the requests and frees their KV, as for any gRPC client that cancels
+        aborts the requests and frees their KV, as for any gRPC client that cancels (one task
+        per request watches the connection: Departure)
     GET /v1/models, /v1/models/{id}   the scheduler's model and the served names (Bearer key)
     GET /health                       200 when the scheduler has a worker ready, else 503 (no key)
     GET /metrics                      the gateway's Prometheus metrics (Bearer key)
@@ -24,14 +26,13 @@ needs them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -61,8 +62,6 @@ FINISH_REASONS = {
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
 CLIENT_GONE = 499  # nginx's code for a client that closed the connection (only counted, never sent)
-
-T = TypeVar("T")
 
 
 class ClientGone(Exception):
@@ -111,65 +110,72 @@ class SchedulerLink:
 # ---------------------------------------------------------------- streams of choices
 
 
-async def merged(calls: Sequence[Any]) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
-    """(choice index, message) from every call as they come; the first gRPC error is raised.
-    Closing the iterator (or cancelling the task that reads it) cancels every call."""
-    if len(calls) == 1:
-        call = calls[0]
-        try:
-            async for msg in call:
-                yield 0, msg
-        finally:
-            call.cancel()  # a no-op once the stream ended; otherwise the scheduler aborts the request
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+class Choices:
+    """The messages of a request's Generate calls, (choice index, message) as they come; the
+    first gRPC error is raised. `cancel` cancels every call (the scheduler aborts the requests):
+    a read under way raises asyncio.CancelledError.
+    NOTE: one call (the usual request) is read with call.read(), no task and no queue."""
 
-    async def pump(i: int, call: Any) -> None:
-        try:
-            async for msg in call:
-                queue.put_nowait((i, msg))
-            queue.put_nowait((i, None))
-        except grpc.aio.AioRpcError as exc:
-            queue.put_nowait((i, exc))
+    def __init__(self, calls: Sequence[Any]) -> None:
+        self.calls = calls
+        self._queue: asyncio.Queue[tuple[int, Any]] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._left = len(calls)
+        if len(calls) > 1:
+            self._queue = asyncio.Queue()
+            self._tasks = [asyncio.create_task(self._pump(i, c)) for i, c in enumerate(calls)]
 
-    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(calls)]
-    try:
-        left = len(calls)
-        while left:
-            i, item = await queue.get()
+    async def _pump(self, i: int, call: Any) -> None:
+        assert self._queue is not None
+        try:
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                self._queue.put_nowait((i, msg))
+            self._queue.put_nowait((i, None))
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            self._queue.put_nowait((i, exc))
+
+    async def next(self) -> tuple[int, generation_pb2.GenerateResponse] | None:
+        """The next message of any choice, None once every stream ended."""
+        if self._queue is None:
+            msg = await self.calls[0].read()  # raises the call's error at its end
+            return None if msg is grpc.aio.EOF else (0, msg)
+        while self._left:
+            i, item = await self._queue.get()
             if item is None:
-                left -= 1
-            elif isinstance(item, Exception):
+                self._left -= 1
+            elif isinstance(item, BaseException):
                 raise item
             else:
-                yield i, item
-    finally:
-        for call in calls:
+                return i, item
+        return None
+
+    def cancel(self) -> None:
+        """A no-op for a call that ended; otherwise the scheduler aborts its request."""
+        for call in self.calls:
             call.cancel()
-        for task in tasks:
+        for task in self._tasks:
             task.cancel()
+        if self._queue is not None:
+            self._queue.put_nowait((-1, asyncio.CancelledError()))  # wakes a next() that waits
 
 
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+class Departure:
+    """Watches the client while its answer is made (one task per request): when it
+    disconnects, the request's calls are cancelled, so the read the answer waits on raises
+    asyncio.CancelledError with `gone` set."""
 
+    def __init__(self, receive: Receive, choices: Choices) -> None:
+        self.gone = False
+        self._task = asyncio.ensure_future(self._watch(receive, choices))
 
-async def until_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """`work`'s result, unless the client disconnects first: then `work` is cancelled (its
-    gRPC calls with it) and ClientGone raised."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise ClientGone
-    return task.result()
+    async def _watch(self, receive: Receive, choices: Choices) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        choices.cancel()
+
+    def stop(self) -> None:
+        self._task.cancel()
 
 
 # ---------------------------------------------------------------- one generation request
@@ -192,6 +198,7 @@ class Generation:
     started: set[int] = field(default_factory=set)
     num_tokens: int = 0
     num_finished: int = 0
+    answering: bool = False  # its HTTP answer has started
 
     def __post_init__(self) -> None:
         k = self.parsed.num_choices
@@ -253,25 +260,33 @@ class Gateway:
         assert self.link is not None, "the gateway is not open"
         return self.link
 
-    def authorize(self, request: Request) -> None:
+    def authorize(self, headers: Mapping[str, str]) -> None:
         if self.api_keys is None:
             return
-        header = request.headers.get("authorization")
+        header = headers.get("authorization")
         problem = self.api_keys.check((("authorization", header),) if header is not None else ())
         if problem is not None:
             message = "missing API key: send `Authorization: Bearer <key>`" if header is None else problem
             raise ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def body(self, request: Request) -> Any:
-        length = request.headers.get("content-length")
+    async def body(self, headers: Mapping[str, str], receive: Receive) -> Any:
+        length = headers.get("content-length")
         limit = self.cfg.max_body_bytes
         if length is not None and length.isdigit() and int(length) > limit:
             raise ApiError(413, f"the request body is {length} bytes; the limit is {limit}", code="body_too_large")
-        raw = bytearray()
-        async for part in request.stream():
-            raw += part
+        message = await receive()
+        raw: bytes | bytearray = message.get("body", b"")
+        if message.get("more_body", False):
+            raw = bytearray(raw)
+        while message.get("more_body", False):
+            message = await receive()
+            raw += message.get("body", b"")
             if len(raw) > limit:
                 raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        if len(raw) > limit:
+            raise ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -298,13 +313,13 @@ class Gateway:
             self._template = ChatTemplate.load(info.model, self.cfg.chat_template)
         return self._template
 
-    def trace_metadata(self, request: Request, route: str) -> tuple[Any, tuple[tuple[str, str], ...]]:
+    def trace_metadata(self, headers: Mapping[str, str], route: str) -> tuple[Any, tuple[tuple[str, str], ...]]:
         """(the gateway's span or None, the W3C trace headers for the scheduler): the client's
         traceparent continues through a span of the gateway when it traces, else as it came."""
         traced = tracing_enabled()
-        if not traced and "traceparent" not in request.headers:
+        if not traced and "traceparent" not in headers:
             return None, ()
-        context = propagate.extract(request.headers)
+        context = propagate.extract(headers)
         span = None
         if traced:
             span = self.tracer.start_span(f"POST {route}", context=context, kind=trace.SpanKind.SERVER)
@@ -313,101 +328,122 @@ class Gateway:
         propagate.inject(carrier, context=context)
         return span, tuple(carrier.items())
 
-    # ------------------------------------------------ routes
+    # ------------------------------------------------ generation (ASGI: see GatewayApp)
 
-    async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completion")
-
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, "chat")
-
-    async def _generate(self, request: Request, kind: str) -> Response:
+    async def generate(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
+        """POST /v1/completions ("completion") or /v1/chat/completions ("chat")."""
         arrival = time.perf_counter()
-        route = request.url.path
+        route = scope["path"]
+        headers = header_dict(scope)
         span = None
+        calls: list[Any] = []
         try:
-            self.authorize(request)
-            body = await self.body(request)
+            self.authorize(headers)
+            body = await self.body(headers, receive)
             link = self._link()
             info = await link.info()
             parsed = parse_chat(body, self.chat_template(info)) if kind == "chat" else parse_completion(body)
             model = self.model_name(parsed.model, info)
-            rid = parsed.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
-            span, trace_headers = self.trace_metadata(request, route)
-            metadata = (*link.metadata, *trace_headers)
+            rid = parsed.request_id or headers.get("x-request-id") or uuid.uuid4().hex
+            span, trace_headers = self.trace_metadata(headers, route)
+            metadata = (*link.metadata, *trace_headers) if trace_headers else link.metadata
             timeout = self.cfg.request_timeout_s
             calls = [link.stub.Generate(r, timeout=timeout, metadata=metadata) for r in parsed.requests(rid)]
             self.metrics.prepare.observe(time.perf_counter() - arrival)
         except ApiError as error:
-            return self._error(route, error, span)
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        shapes = Shapes(kind, prefix + rid, model, int(time.time()), parsed.include_usage)
+            self._error(route, error, span)
+            await send_error(send, error)
+            return
+        except ClientGone:
+            self.metrics.request_done(route, CLIENT_GONE)
+            return
+        except Exception:
+            # NOTE: as Starlette's ServerErrorMiddleware: a 500, then the error to the server's log
+            for call in calls:
+                call.cancel()
+            self._error(route, ApiError(500, "internal error of the gateway"), span)
+            await send_error(send, ApiError(500, "internal error of the gateway", code="server_error"))
+            raise
+        shapes = Shapes(
+            kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + rid, model, int(time.time()), parsed.include_usage
+        )
         gen = Generation(parsed, shapes, route, arrival, span, len(parsed.prompts))
-        events = merged(calls)
+        choices = Choices(calls)
+        departure = Departure(receive, choices)
         self.metrics.running.inc()
+        status = 500
         try:
             if parsed.stream:
-                first = await until_disconnected(request.receive, anext(events))
-                return EventStream(self._sse(gen, first, events), {"x-request-id": rid, "cache-control": "no-cache"})
-            answer = await until_disconnected(request.receive, self._collect(gen, events))
-            self._done(gen, 200)
-            return Response(dumps(answer), media_type="application/json", headers={"x-request-id": rid})
-        except grpc.aio.AioRpcError as exc:
-            await events.aclose()
-            return self._failed(gen, from_rpc_error(exc, parsed.aliases))
-        except StopAsyncIteration:  # the stream ended with no message at all
-            return self._failed(gen, ApiError(502, "the scheduler's stream ended without a message"))
-        except ClientGone:
-            await events.aclose()
+                status = await self._stream(gen, choices, send, rid)
+            else:
+                status = await self._whole(gen, choices, send, rid)
+        except asyncio.CancelledError:
+            if not departure.gone:
+                raise  # the server stops
+            status = CLIENT_GONE
             self.metrics.disconnects.inc()
-            self._done(gen, CLIENT_GONE)
-            return Response(status_code=CLIENT_GONE)
-        except BaseException:
-            await events.aclose()
-            self._done(gen, 500)
+        except Exception:
+            if not gen.answering:  # nothing sent yet: a 500, then the error to the server's log
+                await send_error(send, ApiError(500, "internal error of the gateway", code="server_error"))
             raise
+        finally:
+            departure.stop()
+            choices.cancel()  # a no-op for calls that ended
+            self._done(gen, status)
 
-    def _failed(self, gen: Generation, error: ApiError) -> Response:
-        self._done(gen, error.status)
-        return error_response(error)
-
-    async def _collect(self, gen: Generation, events: AsyncIterator[tuple[int, Any]]) -> dict[str, Any]:
-        async for index, msg in events:
-            if msg.text:
-                gen.texts[index].append(msg.text)
-            gen.take(index, msg)
-        texts = ["".join(t) for t in gen.texts]
-        return gen.shapes.whole(texts, [f or "error" for f in gen.finish], gen.usage())
-
-    async def _sse(
-        self, gen: Generation, first: tuple[int, Any], events: AsyncIterator[tuple[int, Any]]
-    ) -> AsyncIterator[tuple[bytes, bool]]:
-        """(bytes, more) per write: one event per scheduler message; the last write ends the body."""
-        shapes, status = gen.shapes, CLIENT_GONE
+    async def _whole(self, gen: Generation, choices: Choices, send: Send, rid: str) -> int:
+        """The non-streaming answer: every message collected, then the JSON (or the error)."""
         try:
-            # NOTE: the last choice's last event, the usage event and [DONE] go out in one write
-            event = self._event(gen, *first)
-            if not gen.finished:
-                yield event, True
-                event = b""
-            self.metrics.ttft.labels(gen.route).observe(time.perf_counter() - gen.arrival)
-            async for index, msg in events:
-                event = self._event(gen, index, msg)
+            while (item := await choices.next()) is not None:
+                index, msg = item
+                if msg.text:
+                    gen.texts[index].append(msg.text)
+                gen.take(index, msg)
+        except grpc.aio.AioRpcError as exc:
+            return await self._failed(gen, send, from_rpc_error(exc, gen.parsed.aliases))
+        texts = ["".join(t) for t in gen.texts]
+        answer = gen.shapes.whole(texts, [f or "error" for f in gen.finish], gen.usage())
+        gen.answering = True
+        await send_bytes(send, 200, dumps(answer), JSON_TYPE, [(b"x-request-id", rid.encode())])
+        return 200
+
+    async def _stream(self, gen: Generation, choices: Choices, send: Send, rid: str) -> int:
+        """Server-sent events, one write per scheduler message (the last with the end of the
+        body). The first message is awaited before the answer starts, so every failure before
+        it is a real HTTP status; a failure after it is an error event and no [DONE]."""
+        try:
+            first = await choices.next()
+        except grpc.aio.AioRpcError as exc:
+            return await self._failed(gen, send, from_rpc_error(exc, gen.parsed.aliases))
+        if first is None:  # the stream ended with no message at all
+            return await self._failed(gen, send, ApiError(502, "the scheduler's stream ended without a message"))
+        headers = [(b"x-request-id", rid.encode()), *EVENT_STREAM_HEADERS]
+        gen.answering = True
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        # NOTE: the last choice's last event, the usage event and [DONE] go out in one write
+        event = self._event(gen, *first)
+        if not gen.finished:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            event = b""
+        self.metrics.ttft_of(gen.route).observe(time.perf_counter() - gen.arrival)
+        try:
+            while (item := await choices.next()) is not None:
+                event = self._event(gen, *item)
                 if not gen.finished:
-                    yield event, True
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
                     event = b""
-            usage = shapes.usage_event(gen.usage()) if gen.parsed.include_usage else b""
-            status = 200
-            yield event + usage + DONE, False
         except grpc.aio.AioRpcError as exc:
             error = from_rpc_error(exc, gen.parsed.aliases)
-            status = error.status
-            yield error_event(error), False
-        finally:
-            await events.aclose()  # the client left (cancelled) or the stream ended: calls cancelled
-            if status == CLIENT_GONE:
-                self.metrics.disconnects.inc()
-            self._done(gen, status)
+            await send({"type": "http.response.body", "body": error_event(error), "more_body": False})
+            return error.status
+        usage = gen.shapes.usage_event(gen.usage()) if gen.parsed.include_usage else b""
+        await send({"type": "http.response.body", "body": event + usage + DONE, "more_body": False})
+        return 200
+
+    async def _failed(self, gen: Generation, send: Send, error: ApiError) -> int:
+        gen.answering = True
+        await send_error(send, error)
+        return error.status
 
     def _event(self, gen: Generation, index: int, msg: generation_pb2.GenerateResponse) -> bytes:
         reason = gen.take(index, msg)
@@ -419,25 +455,27 @@ class Gateway:
     def _done(self, gen: Generation, status: int) -> None:
         self.metrics.running.dec()
         self.metrics.tokens.inc(gen.num_tokens)
-        self.metrics.duration.labels(gen.route).observe(time.perf_counter() - gen.arrival)
-        self.metrics.requests.labels(gen.route, str(status)).inc()
+        self.metrics.duration_of(gen.route).observe(time.perf_counter() - gen.arrival)
+        self.metrics.request_done(gen.route, status)
         if gen.span is not None:
             gen.span.set_attribute("http.response.status_code", status)
             gen.span.end()
 
-    def _error(self, route: str, error: ApiError, span: Any = None) -> Response:
-        self.metrics.requests.labels(route, str(error.status)).inc()
+    def _error(self, route: str, error: ApiError, span: Any = None) -> None:
+        self.metrics.request_done(route, error.status)
         if span is not None:
             span.set_attribute("http.response.status_code", error.status)
             span.end()
-        return error_response(error)
+
+    # ------------------------------------------------ the other routes (Starlette)
 
     async def models(self, request: Request) -> Response:
         try:
-            self.authorize(request)
+            self.authorize(request.headers)
             info = await self._link().info()
         except ApiError as error:
-            return self._error("/v1/models", error)
+            self._error("/v1/models", error)
+            return error_response(error)
         cards = [self._card(name, info) for name in self.model_names(info)]
         wanted = request.path_params.get("model")
         if wanted is None:
@@ -445,9 +483,9 @@ class Gateway:
         for card in cards:
             if card["id"] == wanted:
                 return JSONResponse(card)
-        return self._error(
-            "/v1/models", ApiError(404, f"model {wanted!r} does not exist here", param="model", code="model_not_found")
-        )
+        error = ApiError(404, f"model {wanted!r} does not exist here", param="model", code="model_not_found")
+        self._error("/v1/models", error)
+        return error_response(error)
 
     def _card(self, name: str, info: generation_pb2.GetServerInfoResponse) -> dict[str, Any]:
         return {
@@ -467,48 +505,37 @@ class Gateway:
 
     async def prometheus(self, request: Request) -> Response:
         try:
-            self.authorize(request)
+            self.authorize(request.headers)
         except ApiError as error:
             return error_response(error)
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-class EventStream(Response):
-    """A `text/event-stream` answer written as its events come, each in one write (the last
-    with the end of the chunked body). The client disconnecting cancels the stream, whose
-    generator then cancels its gRPC calls. NOTE: in place of Starlette's StreamingResponse,
-    whose anyio task group showed 1.2 ms of self time per request in a cProfile of the
-    saturation load (docs/results/openai_api.md)."""
+JSON_TYPE = b"application/json"
+EVENT_STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"content-type", b"text/event-stream; charset=utf-8"))
 
-    media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[tuple[bytes, bool]], headers: dict[str, str]) -> None:
-        self.body_iterator = body
-        self.status_code = 200
-        self.background = None
-        self.init_headers(headers)
+def header_dict(scope: Scope) -> dict[str, str]:
+    """The request's headers by lower-case name (HTTP servers give them lower-case in ASGI);
+    of a repeated header, the first."""
+    out: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        out.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+    return out
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream = asyncio.ensure_future(self._stream(send))
-        watch = asyncio.ensure_future(_disconnected(receive))
-        try:
-            await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not stream.done():
-                stream.cancel()  # the client left: the generator's finally cancels the calls
-                with contextlib.suppress(asyncio.CancelledError):
-                    await stream
-        if not stream.cancelled():
-            stream.result()
 
-    async def _stream(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        more = True
-        async for data, more in self.body_iterator:
-            await send({"type": "http.response.body", "body": data, "more_body": more})
-        if more:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+async def send_bytes(
+    send: Send, status: int, body: bytes, media_type: bytes, headers: Sequence[tuple[bytes, bytes]]
+) -> None:
+    """A whole answer in one write after its head."""
+    head = [*headers, (b"content-length", str(len(body)).encode()), (b"content-type", media_type)]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send: Send, error: ApiError) -> None:
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()]
+    await send_bytes(send, error.status, dumps(error.body()), JSON_TYPE, headers)
 
 
 def error_response(error: ApiError) -> Response:
@@ -522,7 +549,41 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(ApiError(exc.status_code, message, code=code, headers=exc.headers))
 
 
-def build_app(gateway: Gateway) -> Starlette:
+class GenerationRoute:
+    """A generation route as an ASGI endpoint of the Starlette app (where GET on it is a 405)."""
+
+    def __init__(self, gateway: Gateway, kind: str) -> None:
+        self.gateway = gateway
+        self.kind = kind
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.gateway.generate(scope, receive, send, self.kind)
+
+
+GENERATION_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+
+
+class GatewayApp:
+    """The ASGI app: POST to a generation route goes straight to the gateway; everything else
+    (lifespan, the other routes, 404 and 405) to Starlette.
+    NOTE: Starlette's request, router and two middleware layers (each wrapping every `send`,
+    so every streamed token) cost more per request than the gateway's own preparation
+    (docs/results/openai_api.md)."""
+
+    def __init__(self, gateway: Gateway, starlette: Starlette) -> None:
+        self.gateway = gateway
+        self.starlette = starlette
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            kind = GENERATION_ROUTES.get(scope["path"])
+            if kind is not None:
+                await self.gateway.generate(scope, receive, send, kind)
+                return
+        await self.starlette(scope, receive, send)
+
+
+def build_app(gateway: Gateway) -> GatewayApp:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gateway.open()  # NOTE: the gRPC channel is made on the server's own event loop
@@ -532,12 +593,12 @@ def build_app(gateway: Gateway) -> Starlette:
             await gateway.close()
 
     routes = [
-        Route("/v1/completions", gateway.completions, methods=["POST"]),
-        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+        Route("/v1/completions", GenerationRoute(gateway, "completion"), methods=["POST"]),
+        Route("/v1/chat/completions", GenerationRoute(gateway, "chat"), methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/v1/models/{model:path}", gateway.models, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/metrics", gateway.prometheus, methods=["GET"]),
     ]
     handlers: dict[Any, Callable] = {HTTPException: _http_error}
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    return GatewayApp(gateway, Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers))

@@ -49,9 +49,23 @@ class GatewayMetrics:
         self.disconnects = Counter(
             PREFIX + "client_disconnects", "Generation requests whose client left before the end (aborted)", registry=r
         )
-        for route in ROUTES:
-            self.duration.labels(route)
-            self.ttft.labels(route)
+        # NOTE: each request's series looked up once here (labels() takes a lock and builds its key)
+        self._ttft = {route: self.ttft.labels(route) for route in ROUTES}
+        self._duration = {route: self.duration.labels(route) for route in ROUTES}
+        self._requests: dict[tuple[str, int], Counter] = {}
+
+    def ttft_of(self, route: str) -> Histogram:
+        return self._ttft.get(route) or self.ttft.labels(route)
+
+    def duration_of(self, route: str) -> Histogram:
+        return self._duration.get(route) or self.duration.labels(route)
+
+    def request_done(self, route: str, status: int) -> None:
+        """Counts an answered request by route and status."""
+        series = self._requests.get((route, status))
+        if series is None:
+            series = self._requests[(route, status)] = self.requests.labels(route, str(status))
+        series.inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -53,6 +53,7 @@ def uvicorn_config(cfg: GatewayConfig, gateway: Gateway, *, loop: str = "none") 
         http="httptools",
         lifespan="on",
         access_log=False,
+        proxy_headers=False,  # NOTE: nothing here reads the client's address; one layer less per request
         log_level="warning",
         timeout_graceful_shutdown=5,
         **tls,

@@ -59,6 +59,9 @@ def _error_message(raw: bytes) -> str:
         return raw.decode(errors="replace")[:500]
 
 
+KEEPALIVE_S = 3.0  # seconds an idle connection is kept for the next request
+
+
 class OpenAIBench:
     """An aiohttp session to one OpenAI-compatible server (connections kept alive)."""
 
@@ -71,8 +74,11 @@ class OpenAIBench:
     async def __aenter__(self) -> OpenAIBench:
         import aiohttp
 
-        # NOTE: no connection limit: an open-loop run may have every request in flight at once
-        connector = aiohttp.TCPConnector(limit=0)
+        # NOTE: no connection limit: an open-loop run may have every request in flight at once.
+        # Idle connections are dropped before the server's keep-alive ends (uvicorn's, vLLM's
+        # and the gateway's: 5 s): reusing one the server is closing fails the request with
+        # "Server disconnected" (seen after a phase that left the HTTP connections idle).
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         self.session = aiohttp.ClientSession(connector=connector, headers=self.headers)
         return self
 

@@ -63,6 +63,7 @@ from urllib.parse import urlparse
 
 from scheduler_service.live.config import LiveConfig
 from services.affinity import child_cpus, parse_cpus, pin_self
+from services.child import launcher_command
 from sluice.common.config import add_config_arguments, config_from, opt, subset
 from sluice.common.security import (
     ClientSecurity,
@@ -188,6 +189,7 @@ class WorkerProcess:
     worker_id: int
     proc: asyncio.subprocess.Process
     address: str = ""
+    scheduler_port: int = 0  # the gateway's: the scheduler it fronts
     started_at: float = field(default_factory=time.monotonic)
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
     _drains: list[asyncio.Task] = field(default_factory=list)
@@ -275,48 +277,6 @@ async def spawn_worker(cfg: ServeConfig, worker_id: int, port: int = 0) -> Worke
     return await spawn_process(cmd, worker_environment(cfg), worker_id, cpus=cfg.worker_cpu_set())
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent(parent: int) -> None:
-    """In a child before exec: the kernel SIGKILLs it when `sluice serve` dies, however it dies
-    (SIGKILL, the OOM killer), so no worker or predictor is left holding its port and memory.
-    NOTE: PR_SET_PDEATHSIG fires when the thread that forked exits; asyncio forks from the event
-    loop's thread, which lives as long as `sluice serve` does. A parent that died before the
-    call is caught by the getppid check. Elsewhere than Linux this does nothing (stop_workers
-    still ends the children on every orderly exit)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
-
-
-def child_setup(niceness: int, idle: bool, cpus: frozenset[int] | None = None) -> Callable[[], None]:
-    """What a child runs before it starts: death with its parent (die_with_parent), its niceness,
-    SCHED_IDLE where the OS has it, and the CPUs it is pinned to (parse_cpus has checked that the
-    OS can pin and the CPUs are ours).
-    NOTE: a niceness of 10 still leaves the predictor about a tenth of a contended core, taken at
-    the moment a request arrives, which is when its prefill needs the core; an idle-class process
-    runs only on a core nothing else wants (its answers are never awaited, only later)."""
-    idle = idle and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
-    parent = os.getpid()
-
-    def apply() -> None:
-        die_with_parent(parent)
-        if cpus:
-            os.sched_setaffinity(0, cpus)  # inherited across exec, by every thread the child starts
-        if niceness:
-            os.nice(niceness)
-        if idle:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-
-    return apply
-
-
 async def spawn_process(
     cmd: Sequence[str],
     env: dict[str, str],
@@ -325,16 +285,61 @@ async def spawn_process(
     idle: bool = False,
     cpus: frozenset[int] | None = None,
 ) -> WorkerProcess:
-    proc = await asyncio.create_subprocess_exec(
-        *cmd,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-        preexec_fn=child_setup(niceness, idle, child_cpus(cpus)),
-    )
+    """`cmd` as a child of this process, started through services/child.py: it dies with this
+    process and runs at the niceness, priority and CPUs given (set before `cmd` starts, done
+    when this returns; RuntimeError naming the child when a step failed)."""
+    read_fd, write_fd = os.pipe()
+    try:
+        launcher = launcher_command(
+            cmd, write_fd, parent=os.getpid(), cpus=child_cpus(cpus), niceness=niceness, idle=idle
+        )
+        # NOTE: no preexec_fn: it would fork this process (gRPC threads running) and run Python
+        # in the child; without one the child starts with vfork and exec (services/child.py)
+        proc = await asyncio.create_subprocess_exec(
+            *launcher,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            pass_fds=(write_fd,),
+        )
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
     child = WorkerProcess(worker_id, proc)
     child._drains.append(asyncio.create_task(_drain_stderr(child)))
+    problem = await _read_until_closed(read_fd)
+    if problem:
+        await stop_workers([child])
+        raise RuntimeError(f"{child.name} could not be set up ({' '.join(cmd[:4])} ...): {problem}")
     return child
+
+
+async def _read_until_closed(fd: int) -> str:
+    """What is written to the pipe `fd` until its last writer closes it; `fd` is closed."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    data = bytearray()
+
+    def readable() -> None:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        if chunk:
+            data.extend(chunk)
+        elif not done.done():
+            done.set_result(None)
+
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    return data.decode(errors="replace")
 
 
 PREDICTOR_ID = -1
@@ -425,14 +430,25 @@ def gateway_environment(cfg: SchedulerServiceConfig) -> dict[str, str]:
 async def start_gateway(cfg: ServeConfig, scheduler_port: int, http_port: int) -> WorkerProcess:
     """The OpenAI HTTP gateway as a child process (its own core for HTTP and JSON, off the
     scheduler's event loop), ready once it prints where it listens."""
-    child = await spawn_process(gateway_command(cfg, scheduler_port, http_port), gateway_environment(cfg), GATEWAY_ID)
+    child = await spawn_gateway(cfg, scheduler_port, http_port)
     try:
-        child.address = await _listening_address(child, cfg.worker_start_timeout_s)
+        await _gateway_ready(child, cfg)
     except BaseException:
         await stop_workers([child])
         raise
-    child._drains.append(asyncio.create_task(_drain_output(child)))
     return child
+
+
+async def spawn_gateway(cfg: ServeConfig, scheduler_port: int, http_port: int) -> WorkerProcess:
+    cmd = gateway_command(cfg, scheduler_port, http_port)
+    child = await spawn_process(cmd, gateway_environment(cfg), GATEWAY_ID)
+    child.scheduler_port = scheduler_port
+    return child
+
+
+async def _gateway_ready(child: WorkerProcess, cfg: ServeConfig) -> None:
+    child.address = await _listening_address(child, cfg.worker_start_timeout_s)
+    child._drains.append(asyncio.create_task(_drain_output(child)))
 
 
 async def _listening_address(worker: WorkerProcess, timeout_s: float) -> str:
@@ -443,8 +459,18 @@ async def _listening_address(worker: WorkerProcess, timeout_s: float) -> str:
             if match := _LISTENING.search(line):
                 return f"{match.group(1).decode()}:{match.group(2).decode()}"
     code = await worker.proc.wait()
-    tail = "\n".join(worker.stderr_tail)
-    raise RuntimeError(f"{worker.name} exited (code {code}) before listening; stderr:\n{tail}")
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(worker._drains[0]), 2.0)  # its last stderr lines
+    tail = "\n".join(worker.stderr_tail) or "(nothing)"
+    raise RuntimeError(f"{worker.name} exited ({exit_text(code)}) before listening; stderr:\n{tail}")
+
+
+def exit_text(code: int) -> str:
+    """`code 1`, or `killed by SIGSEGV` for a negative return code (a signal)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"code {code}"
 
 
 async def _drain_output(worker: WorkerProcess) -> None:
@@ -513,14 +539,18 @@ async def stop_workers(workers: Sequence[WorkerProcess], timeout_s: float = 10.0
 
 
 class Supervisor:
-    """Keeps `sluice serve`'s children running: the workers and the length predictor.
+    """Keeps `sluice serve`'s children running: the workers, the length predictor and the
+    OpenAI HTTP gateway (once `watch_gateway` hands it over).
 
     An exit is logged with its code and the tail of the child's stderr; the child starts again
     after a backoff (restart_min_s doubling to restart_max_s; back to the minimum after a minute
     of uptime) on the port it had, where the scheduler's reconnect loop dials a worker and takes
     a new lease, and its predictor client reconnects. When that port cannot be had the child
     starts on a free one and `on_address` (the scheduler's `readdress`) or `on_predictor_address`
-    is told. `on_predictor_health` hears the predictor go down and come back (readiness)."""
+    is told. `on_predictor_health` hears the predictor go down and come back (readiness), as
+    `on_gateway_health` hears the gateway. The gateway comes back on its own HTTP port only (the
+    address clients were given); while that port cannot be had it is tried again after the
+    backoff."""
 
     def __init__(self, cfg: ServeConfig, workers: list[WorkerProcess], predictor: WorkerProcess | None = None) -> None:
         self.cfg = cfg
@@ -529,8 +559,12 @@ class Supervisor:
         self.on_address: Callable[[int, str], None] | None = None
         self.on_predictor_address: Callable[[str], None] | None = None
         self.on_predictor_health: Callable[[bool], None] | None = None
+        self.on_gateway_health: Callable[[bool], None] | None = None
+        self.gateway: WorkerProcess | None = None
         self.num_restarts = 0  # of workers
         self.num_predictor_restarts = 0
+        self.num_gateway_restarts = 0
+        self._gateway_watch: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
 
@@ -539,8 +573,24 @@ class Supervisor:
         if self.predictor is not None:
             self._tasks.append(asyncio.create_task(self._watch(PREDICTOR_ID)))
 
+    def watch_gateway(self, gateway: WorkerProcess) -> None:
+        """Supervises the gateway (started by start_gateway) from now on."""
+        self.gateway = gateway
+        self._gateway_watch = asyncio.create_task(self._watch(GATEWAY_ID))
+
+    async def stop_gateway(self) -> None:
+        """Stops the gateway for good (first at shutdown: no new request reaches a stopping
+        scheduler); a restart under way is cancelled."""
+        if self._gateway_watch is not None:
+            self._gateway_watch.cancel()
+            await asyncio.gather(self._gateway_watch, return_exceptions=True)
+            self._gateway_watch = None
+        if self.gateway is not None:
+            await stop_workers([self.gateway])
+
     async def stop(self) -> None:
         self._stopping = True
+        await self.stop_gateway()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -550,7 +600,15 @@ class Supervisor:
         if child_id == PREDICTOR_ID:
             assert self.predictor is not None
             return self.predictor
+        if child_id == GATEWAY_ID:
+            assert self.gateway is not None
+            return self.gateway
         return self.workers[child_id]
+
+    def _health(self, child_id: int, up: bool) -> None:
+        hear = {PREDICTOR_ID: self.on_predictor_health, GATEWAY_ID: self.on_gateway_health}.get(child_id)
+        if hear is not None:
+            hear(up)
 
     async def _watch(self, child_id: int) -> None:
         delay = self.cfg.restart_min_s
@@ -559,8 +617,7 @@ class Supervisor:
             code = await child.proc.wait()
             if self._stopping:
                 return
-            if child_id == PREDICTOR_ID and self.on_predictor_health is not None:
-                self.on_predictor_health(False)
+            self._health(child_id, False)
             uptime = time.monotonic() - child.started_at
             delay = self.cfg.restart_min_s if uptime >= HEALTHY_UPTIME_S else delay
             tail = "\n    ".join(child.stderr_tail) or "(nothing)"
@@ -574,6 +631,8 @@ class Supervisor:
             delay = min(2 * delay, self.cfg.restart_max_s)
             if child_id == PREDICTOR_ID:
                 await self._restart_predictor(child)
+            elif child_id == GATEWAY_ID:
+                await self._restart_gateway(child)
             else:
                 await self._restart(child)
 
@@ -593,6 +652,22 @@ class Supervisor:
                 # nobody else can take it meanwhile: the workers' key is this run's own
                 self.on_address(old.worker_id, worker.address)
             return
+
+    async def _restart_gateway(self, old: WorkerProcess) -> None:
+        # NOTE: on its own port only; a failed start leaves an exited child, which the watch
+        # logs and starts again after the (doubled) backoff
+        try:
+            gateway = await spawn_gateway(self.cfg, old.scheduler_port, old.port)
+            self.gateway = gateway
+            await _gateway_ready(gateway, self.cfg)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            log.error("the gateway did not come back on port %d: %s", old.port, exc)
+            if self.gateway is not None:
+                await stop_workers([self.gateway])
+            return
+        self.num_gateway_restarts += 1
+        log.warning("gateway restarted at %s (pid %d)", gateway.address, gateway.proc.pid)
+        self._health(GATEWAY_ID, True)
 
     async def _restart_predictor(self, old: WorkerProcess) -> None:
         for port in dict.fromkeys((old.port, 0)):
@@ -700,11 +775,11 @@ async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
         server = await start_scheduler(cfg, [w.address for w in supervisor.workers])
         supervisor.on_address = server.live.readdress
         supervisor.on_predictor_address = server.live.readdress_predictor
-        supervisor.on_predictor_health = partial(_predictor_health, server)
+        supervisor.on_predictor_health = partial(_child_health, server, PREDICTOR_HEALTH)
+        supervisor.on_gateway_health = partial(_child_health, server, GATEWAY_HEALTH)
         if supervisor.predictor is not None:
-            _predictor_health(server, True)
+            _child_health(server, PREDICTOR_HEALTH, True)
         supervisor.start()
-        gateway = None
         try:
             where = ", ".join(w.address for w in supervisor.workers)
             print(
@@ -714,13 +789,14 @@ async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
             )
             if http_port is not None:
                 gateway = await start_gateway(cfg, server.port, http_port)
+                supervisor.watch_gateway(gateway)
+                _child_health(server, GATEWAY_HEALTH, True)
                 scheme = "https" if cfg.tls_cert else "http"
                 print(f"sluice OpenAI API at {scheme}://{gateway.address}/v1 (model {cfg.model})", flush=True)
             await _until(stop, run_demo(server, cfg, demo) if demo else stop.wait())
         finally:
             print("sluice shutting down", flush=True)
-            if gateway is not None:
-                await stop_workers([gateway])  # HTTP first: no new request reaches a stopping scheduler
+            await supervisor.stop_gateway()  # HTTP first: no new request reaches a stopping scheduler
             await server.stop(cfg.grace_s)
     finally:
         await supervisor.stop()
@@ -728,14 +804,16 @@ async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
 
 
 PREDICTOR_HEALTH = "sluice.v1.PredictorService"  # its status on the scheduler's health service
+GATEWAY_HEALTH = "sluice.OpenAIGateway"  # the HTTP gateway child's status there
 
 
-def _predictor_health(server: Any, up: bool) -> None:
-    """The predictor's state as a named status of the scheduler's standard health (readiness of
-    the whole stays the workers': requests fall back to max_tokens while it is away)."""
+def _child_health(server: Any, name: str, up: bool) -> None:
+    """A supervised child's state (the predictor's, the gateway's) as a named status of the
+    scheduler's standard health. Readiness of the whole stays the workers': requests fall back
+    to max_tokens while the predictor is away, and gRPC clients never need the gateway."""
     from sluice.common.grpc_server import NOT_SERVING, SERVING
 
-    task = asyncio.ensure_future(server.health.set(PREDICTOR_HEALTH, SERVING if up else NOT_SERVING))
+    task = asyncio.ensure_future(server.health.set(name, SERVING if up else NOT_SERVING))
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
 

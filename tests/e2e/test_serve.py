@@ -65,6 +65,18 @@ def _pinning() -> tuple[list[str], dict[str, set[int]]]:
     return ["--worker-cpus", str(a), "--predictor-cpus", str(b)], {" worker ": {a}, " predictor serve ": {b}}
 
 
+async def _stderr_after_exit(proc: asyncio.subprocess.Process, timeout_s: float = 30.0) -> str:
+    """What the process wrote to stderr, once it exited (killed when it outlives `timeout_s`):
+    the reason a line it should have printed is missing."""
+    assert proc.stderr is not None
+    try:
+        await asyncio.wait_for(proc.wait(), timeout_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+    return (await proc.stderr.read()).decode(errors="replace")
+
+
 async def test_sluice_serve_listens_serves_and_stops_cleanly_on_sigint() -> None:
     pin_flags, pinned = _pinning()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--workers", "1", "--port", "0", "--num-gpu-blocks", "64"]
@@ -75,12 +87,14 @@ async def test_sluice_serve_listens_serves_and_stops_cleanly_on_sigint() -> None
         line = ""
         while "listening on" not in line:
             line = (await asyncio.wait_for(proc.stdout.readline(), timeout=120)).decode()
-            assert line, "sluice serve exited before listening"
+            if not line:
+                pytest.fail(f"sluice serve exited before listening; its stderr:\n{await _stderr_after_exit(proc)}")
         match = re.search(r"listening on ([\d.]+):(\d+) .*workers ([\d.:]+)\)", line)
         assert match, line
         api = (await asyncio.wait_for(proc.stdout.readline(), timeout=60)).decode()
         base_url = re.search(r"OpenAI API at (http://[\d.]+:\d+/v1)", api)
-        assert base_url, api
+        if not base_url:
+            pytest.fail(f"no OpenAI API line but {api!r}; sluice serve's stderr:\n{await _stderr_after_exit(proc)}")
         chat = await openai.AsyncOpenAI(base_url=base_url.group(1), api_key="none").chat.completions.create(
             model="tiny-llama", messages=[{"role": "user", "content": "Hello"}], max_tokens=4
         )

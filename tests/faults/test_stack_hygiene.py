@@ -2,16 +2,20 @@
 command line and log, the workers refuse the client's key (they have a key of their own, made
 for this run), the predictor is supervised like the workers (a SIGKILL is logged, it restarts,
 and the scheduler's health says so), and a SIGKILL of `sluice serve` itself (as the OOM killer
-ends it) leaves no child running."""
+ends it) leaves no child running; the OpenAI gateway child, killed, comes back on its HTTP port."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -27,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "pw-4b1d7c9e-never-shown"
 CLIENT_KEY = "client-key-5e2a"
 PREDICTOR_HEALTH = "sluice.v1.PredictorService"
+GATEWAY_HEALTH = "sluice.OpenAIGateway"
 
 
 def _all_command_lines() -> str:
@@ -107,6 +112,59 @@ def test_serve_keeps_secrets_supervises_the_predictor_and_dies_with_all_its_chil
         assert not alive, f"children left running after `sluice serve` was killed: {[p.pid for p in alive]}"
         # the predictor's log (its stderr tail was logged at its exit) shows the URL redacted
         assert PASSWORD not in log_path.read_text(errors="replace")
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait(10)
+
+
+def _completion(base_url: str) -> dict | None:
+    """A two-token completion from the gateway at `base_url`, or None when nothing answers there."""
+    body = json.dumps({"model": "tiny-llama", "prompt": "Hello", "max_tokens": 2}).encode()
+    request = urllib.request.Request(f"{base_url}/completions", body, {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return json.loads(reply.read())
+    except (urllib.error.URLError, ConnectionError):
+        return None
+
+
+def test_serve_restarts_a_killed_gateway_on_the_same_http_port(tmp_path: Path) -> None:
+    log_path = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_DATA_DIR"}
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--workers", "1", "--port", "0", "--load-format", "dummy"]
+    cmd += ["--num-gpu-blocks", "64", "--no-start-predictor", "--http-port", "0", "--restart-min-s", "1"]
+    with log_path.open("w") as log:
+        serve = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        text = _wait_for_line(log_path, "OpenAI API at", 180)
+        scheduler = text.split("sluice scheduler listening on ", 1)[1].split(" ", 1)[0]
+        match = re.search(r"OpenAI API at (http://([\d.]+:\d+)/v1)", text)
+        assert match, text
+        base_url, http_address = match.groups()
+        gateway = next(c for c in psutil.Process(serve.pid).children() if " gateway " in " ".join(c.cmdline()))
+        assert _completion(base_url)["usage"]["completion_tokens"] == 2
+        assert asyncio.run(_health(scheduler, GATEWAY_HEALTH)) == health_pb2.HealthCheckResponse.SERVING
+
+        gateway.send_signal(signal.SIGKILL)
+        text = _wait_for_line(log_path, "exited with code -9", 30)
+        assert f"gateway ({http_address}) exited with code -9" in text
+        # NOTE: it is restarted after 1 s: meanwhile the scheduler's health names it down
+        assert asyncio.run(_health(scheduler, GATEWAY_HEALTH)) == health_pb2.HealthCheckResponse.NOT_SERVING
+        text = _wait_for_line(log_path, "gateway restarted at", 60)
+        assert f"gateway restarted at {http_address} " in text
+        deadline = time.monotonic() + 30
+        while (answer := _completion(base_url)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert answer is not None, f"nothing answered at {base_url} within 30 s of the restart"
+        assert answer["usage"]["completion_tokens"] == 2
+        assert asyncio.run(_health(scheduler, GATEWAY_HEALTH)) == health_pb2.HealthCheckResponse.SERVING
+        restarted = [c for c in psutil.Process(serve.pid).children() if " gateway " in " ".join(c.cmdline())]
+        assert len(restarted) == 1 and restarted[0].pid != gateway.pid
+
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(60) == 0
+        assert not restarted[0].is_running(), "the gateway stops with sluice serve"
     finally:
         if serve.poll() is None:
             serve.kill()

@@ -262,7 +262,18 @@ async def test_sse_framing_byte_for_byte(stack: Stack) -> None:
     assert chat.content == first % words[0] + last % words[1] + usage + b"data: [DONE]\n\n"
 
 
-async def test_a_client_leaving_mid_stream_aborts_its_request_and_frees_its_kv(stack: Stack) -> None:
+@pytest.fixture
+async def slow_stack() -> AsyncIterator[Stack]:
+    """A stack whose echo worker takes 5 ms a step: a 1500-token request is still generating
+    seconds later, however slowly a busy machine lets the client read."""
+    cfg = LiveConfig(num_gpu_blocks=1024, max_num_seqs=32, max_num_batched_tokens=2048)
+    s, parts = await start_stack(cfg, GatewayConfig(port=0, api_key=KEY), step_time_s=0.005)
+    yield s
+    await stop_stack(parts)
+
+
+async def test_a_client_leaving_mid_stream_aborts_its_request_and_frees_its_kv(slow_stack: Stack) -> None:
+    stack = slow_stack
     body = {"prompt": [1000] * 100, "max_tokens": 1500, "ignore_eos": True, "stream": True}
     async with (
         httpx.AsyncClient() as http,
@@ -270,7 +281,11 @@ async def test_a_client_leaving_mid_stream_aborts_its_request_and_frees_its_kv(s
     ):
         assert resp.status_code == 200
         seen = 0
-        async for line in resp.aiter_lines():
+        # NOTE: the iterator is held until the client leaves: an abandoned one is closed by the
+        # event loop's async-generator finalizer, which closes the connection at once, before
+        # the stats below were read (the test then saw the request already aborted)
+        lines = resp.aiter_lines()
+        async for line in lines:
             seen += line.startswith("data: ")
             if seen == 3:
                 break

@@ -186,3 +186,9 @@ async def test_a_child_started_after_the_scheduler_pinned_itself_gets_the_start_
             await stop_workers([child])
     finally:
         os.sched_setaffinity(0, before)
+
+
+@pytest.mark.skipif(not can_pin, reason="no sched_setaffinity on this OS")
+async def test_a_child_that_cannot_be_set_up_is_an_error_naming_it_and_leaves_no_process() -> None:
+    with pytest.raises(RuntimeError, match=r"predictor could not be set up .*Invalid argument"):
+        await spawn_process(SLEEPER, dict(os.environ), -1, cpus=frozenset({4095}))
