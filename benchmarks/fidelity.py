@@ -189,7 +189,7 @@ def errors(live: dict[str, tuple], sim: dict[str, tuple], index: int) -> np.ndar
 
 def report(result: dict, args: argparse.Namespace) -> str:
     live = result["live"]
-    a, b, c = (*result["overhead"], 0.0)[:3]
+    a, b, c = result["overhead"]
 
     def p50(d: dict[str, tuple], i: int) -> float:
         return statistics.median(v[i] for v in d.values()) * 1e3

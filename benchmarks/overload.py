@@ -132,28 +132,25 @@ async def _one(stub: Any, request: generation_pb2.GenerateRequest) -> Outcome:
     return out
 
 
-async def run_load(addresses: list[str], load: Load, name: str, **config: Any) -> RunResult:
-    rng = random.Random(load.seed)
+def _arrivals(rng: random.Random, load: Load, rate: float) -> list[tuple[float, int, int]]:
     arrivals, t = [], 0.0
     while True:
-        t += rng.expovariate(load.rate)
+        t += rng.expovariate(rate)
         if t >= load.duration_s:
-            break
+            return arrivals
         arrivals.append((t, rng.randint(*load.prompt), rng.randint(*load.output)))
-    slo = common_pb2.SloSpec(ttft_ms=load.ttft_ms, tbt_ms=load.tbt_ms)
-    cfg = {"num_gpu_blocks": 8192, "swap_space_gib": 0.01, **config}
-    async with stack(addresses, **cfg) as s:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
 
-        async def one(i: int, at: float, n_prompt: int, n_out: int) -> Outcome:
-            await asyncio.sleep(max(0.0, start + at - loop.time()))
-            ids = common_pb2.TokenIds(ids=[1000 + (i * 131 + k) % 20000 for k in range(n_prompt)])
-            sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
-            return await _one(s.stub, generation_pb2.GenerateRequest(token_ids=ids, sampling_params=sampling, slo=slo))
 
-        outcomes = await asyncio.gather(*(one(i, *a) for i, a in enumerate(arrivals)))
-        await s.wait_idle(30)
+async def _send(stub: Any, start: float, i: int, at: float, n_prompt: int, n_out: int, slo: Any) -> Outcome:
+    """Request i of a run, sent at `start + at` on the event loop's clock."""
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, start + at - loop.time()))
+    ids = common_pb2.TokenIds(ids=[1000 + (i * 131 + k) % 20000 for k in range(n_prompt)])
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+    return await _one(stub, generation_pb2.GenerateRequest(token_ids=ids, sampling_params=sampling, slo=slo))
+
+
+def _run_result(name: str, outcomes: list[Outcome], duration_s: float) -> RunResult:
     admitted = [o for o in outcomes if o.code == "OK"]
     refused = [o for o in outcomes if o.code == "RESOURCE_EXHAUSTED"]
     return RunResult(
@@ -165,17 +162,19 @@ async def run_load(addresses: list[str], load: Load, name: str, **config: Any) -
         dict(Counter(o.details.split(":", 1)[0][:60] for o in refused)),
         _percentile([o.ttft_s for o in admitted], 0.9),
         _percentile([o.mean_tbt_s for o in admitted], 0.9),
-        load.duration_s,
+        duration_s,
     )
 
 
-def _arrivals(rng: random.Random, load: Load, rate: float) -> list[tuple[float, int, int]]:
-    arrivals, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= load.duration_s:
-            return arrivals
-        arrivals.append((t, rng.randint(*load.prompt), rng.randint(*load.output)))
+async def run_load(addresses: list[str], load: Load, name: str, **config: Any) -> RunResult:
+    arrivals = _arrivals(random.Random(load.seed), load, load.rate)
+    slo = common_pb2.SloSpec(ttft_ms=load.ttft_ms, tbt_ms=load.tbt_ms)
+    cfg = {"num_gpu_blocks": 8192, "swap_space_gib": 0.01, **config}
+    async with stack(addresses, **cfg) as s:
+        start = asyncio.get_running_loop().time()
+        outcomes = await asyncio.gather(*(_send(s.stub, start, i, *a, slo) for i, a in enumerate(arrivals)))
+        await s.wait_idle(30)
+    return _run_result(name, list(outcomes), load.duration_s)
 
 
 @dataclass(frozen=True)
@@ -204,37 +203,17 @@ async def run_mixed(
     offline_slo = common_pb2.SloSpec(slo_class=common_pb2.SLO_CLASS_OFFLINE)
     cfg = {"num_gpu_blocks": 8192, "swap_space_gib": 0.01, **config}
     async with stack(addresses, **cfg) as s:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-
-        async def one(i: int, at: float, n_prompt: int, n_out: int, spec: common_pb2.SloSpec) -> Outcome:
-            await asyncio.sleep(max(0.0, start + at - loop.time()))
-            ids = common_pb2.TokenIds(ids=[1000 + (i * 131 + k) % 20000 for k in range(n_prompt)])
-            sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
-            return await _one(s.stub, generation_pb2.GenerateRequest(token_ids=ids, sampling_params=sampling, slo=spec))
-
+        start = asyncio.get_running_loop().time()
         outcomes = await asyncio.gather(
-            *(one(i, *a, slo) for i, a in enumerate(online)),
-            *(one(len(online) + i, *a, offline_slo) for i, a in enumerate(offline)),
+            *(_send(s.stub, start, i, *a, slo) for i, a in enumerate(online)),
+            *(_send(s.stub, start, len(online) + i, *a, offline_slo) for i, a in enumerate(offline)),
         )
         await s.wait_idle(30)
-    on, off = outcomes[: len(online)], outcomes[len(online) :]
-    admitted = [o for o in on if o.code == "OK"]
-    refused = [o for o in on if o.code == "RESOURCE_EXHAUSTED"]
+    on, off = list(outcomes[: len(online)]), outcomes[len(online) :]
     finished = [o for o, a in zip(off, offline, strict=True) if o.code == "OK" and o.tokens == a[2]]
     return MixedResult(
         name,
-        RunResult(
-            name,
-            len(admitted),
-            len(refused),
-            sum(o.slo_met for o in admitted),
-            len(on) - len(admitted) - len(refused),
-            dict(Counter(o.details.split(":", 1)[0][:60] for o in refused)),
-            _percentile([o.ttft_s for o in admitted], 0.9),
-            _percentile([o.mean_tbt_s for o in admitted], 0.9),
-            load.duration_s,
-        ),
+        _run_result(name, on, load.duration_s),
         len(offline),
         len(finished),
         dict(Counter(o.code for o in off)),

@@ -67,7 +67,9 @@ def make_jobs(n: int, vocab: int, rate: float | None, seed: int) -> list[Job]:
     return out
 
 
-def summarize(traces: Sequence[Trace], start: float) -> dict[str, float]:
+def summarize(traces: Sequence[Trace], start: float | None = None) -> dict[str, float]:
+    """Rates over [start, last token]; start defaults to the first request sent."""
+    start = min(t.sent for t in traces) if start is None else start
     end = max(t.tokens[-1] for t in traces)
     gaps = [b - a for t in traces for a, b in zip(t.tokens, t.tokens[1:], strict=False)]
     return {
@@ -161,7 +163,7 @@ class SluiceServe:
 
     def run(self, jobs: Sequence[Job], online: bool) -> dict[str, float]:
         traces = asyncio.run(self.traces(jobs, online))
-        stats = summarize(traces, min(t.sent for t in traces))
+        stats = summarize(traces)
         return stats if online else {"output_tok_s": stats["output_tok_s"]}
 
     async def traces(self, jobs: Sequence[Job], online: bool) -> list[Trace]:
@@ -210,14 +212,14 @@ def run_policies(args: argparse.Namespace, offline_jobs: list[Job], online_jobs:
             serve.stop()
         ids = [t.ids for t in offline]
         reference = reference or ids
-        stats = summarize(online, min(t.sent for t in online))
+        stats = summarize(online)
         row = {
             "policy": policy,
             "finished": sum(
                 len(t.ids) == j.max_tokens for t, j in zip(offline + online, offline_jobs + online_jobs, strict=True)
             ),
             "requests": len(offline_jobs) + len(online_jobs),
-            "offline_tok_s": summarize(offline, min(t.sent for t in offline))["output_tok_s"],
+            "offline_tok_s": summarize(offline)["output_tok_s"],
             "tokens_equal_to_first": sum(a == b for a, b in zip(ids, reference, strict=True)),
             **{f"online_{k}": v for k, v in stats.items()},
         }

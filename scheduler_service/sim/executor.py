@@ -31,14 +31,14 @@ class SimulatedExecutor:
         bytes_per_block: int,
         truth: dict[str, int],
         overlap_swap: bool = False,
-        overhead: tuple[float, ...] = (0.0, 0.0, 0.0),
+        overhead: tuple[float, float, float] = (0.0, 0.0, 0.0),
         swap_costs: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.cost_model = cost_model
         # seconds per block moved beyond its bytes, and per step that swaps (see SimConfig)
         self.swap_block_s, self.swap_stall_s = swap_costs
         # per step, per scheduled sequence, per sequence whose prefill starts in the step
-        self.step_overhead_s, self.seq_overhead_s, self.new_seq_overhead_s = (*overhead, 0.0, 0.0)[:3]
+        self.step_overhead_s, self.seq_overhead_s, self.new_seq_overhead_s = overhead
         self.bytes_per_block = bytes_per_block
         self.truth = truth  # request id -> true output length (shared with the simulator)
         self.overlap_swap = overlap_swap
