@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[worker,predictor,gateway,dev]"
+	$(PY) -m pip install -q -e ".[worker,predictor,gateway,dev,ray]"
 	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA)]"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -1,5 +1,6 @@
-"""The one-command reproductions (benchmarks/repro.py): equal resources for every system of a
-claim, steady-state measurement with the warm-up excluded, capacity that stops at its floor."""
+"""The one-command reproductions (sluice_bench.repro, run as benchmarks/repro.py): equal
+resources for every system of a claim,
+steady-state measurement with the warm-up excluded, capacity that stops at its floor."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""benchmarks/repro.py with real predictions: `--length-source` swaps the length source of every
-system that reads predicted lengths (never the baseline's), and `econoserve --regroup` runs the
+"""The paper reproductions (sluice_bench.repro) with real predictions: `--length-source` swaps
+the length source of every system that reads predicted lengths (never the baseline's),
+and `econoserve --regroup` runs the
 real predictor on prompts with text and reports EconoServe's misprediction counters per run."""
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The layers of docs/ARCHITECTURE.md hold: each package imports only what lies below it.
 
-    services/                          may import everything
+    sluice_bench/                      the benchmark harness: may import what services/ may; only
+                                       benchmarks/ and tests/ import it
+    services/                          may import everything but the harness
     sluice_vllm/                       the vLLM plug-in: may import scheduler_service and sluice
     scheduler_service/  worker_service/  predictor_service/  gateway_service/   side by side, never each other
     kvstore/                           accounting (pure Python) and paged (torch)
@@ -20,20 +22,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("scheduler_service", "worker_service", "predictor_service", "gateway_service")
 
+BENCH = ("sluice_bench", "benchmarks", "tests")  # the harness, the scripts and the tests: no product code imports them
 # package -> top-level packages it must never import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "sluice": ("services", *SERVICES, "kvstore", "sluice_vllm", "vllm"),
-    "kvstore": ("services", *SERVICES),
+    "sluice": ("services", *SERVICES, "kvstore", "sluice_vllm", "vllm", *BENCH),
+    "kvstore": ("services", *SERVICES, *BENCH),
     "scheduler_service": (
-        "services", "worker_service", "predictor_service", "gateway_service", "torch", "vllm", "sluice_vllm"
+        "services", "worker_service", "predictor_service", "gateway_service", "torch", "vllm", "sluice_vllm", *BENCH
     ),
-    "worker_service": ("services", "scheduler_service", "predictor_service", "gateway_service", "sluice_vllm"),
-    "predictor_service": ("services", "scheduler_service", "worker_service", "gateway_service", "sluice_vllm"),
+    "worker_service": ("services", "scheduler_service", "predictor_service", "gateway_service", "sluice_vllm", *BENCH),
+    "predictor_service": ("services", "scheduler_service", "worker_service", "gateway_service", "sluice_vllm", *BENCH),
     # the HTTP gateway is a client of the scheduler's public gRPC API, like any other
     "gateway_service": (
-        "services", "scheduler_service", "worker_service", "predictor_service", "sluice_vllm", "torch", "vllm"
+        "services", "scheduler_service", "worker_service", "predictor_service", "sluice_vllm", "torch", "vllm", *BENCH
     ),
-    "sluice_vllm": ("services", "worker_service", "predictor_service", "gateway_service", "kvstore"),
+    "sluice_vllm": ("services", "worker_service", "predictor_service", "gateway_service", "kvstore", *BENCH),
+    "services": BENCH,
+    # the harness is imported by benchmarks/ and tests/, never the reverse
+    "sluice_bench": ("benchmarks", "tests"),
 }
 # vLLM is imported only by the modules that adapt to it (the plug-in's and the vLLM engine's) and
 # the tests: the project runs without it.

@@ -1,0 +1,196 @@
+"""A claim's results as markdown tables and one PNG per claim."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sluice_bench.report import fmt
+from sluice_bench.repro.runs import _band, _mean
+
+
+def claim_tables(res: dict[str, Any]) -> str:
+    labels = [s["label"] for s in res["systems"]]
+    key = res["metrics"][0]
+    base = res["baseline"]
+    lines = [f"### {res['title']}", "", f"Paper: {res['paper_says']}.", ""]
+    head = "| rate (req/s) | " + " | ".join(f"{lab} {key} (mean [min, max])" for lab in labels) + " |"
+    lines += [head, "|" + "---|" * (len(labels) + 1)]
+    for rate in res["setup"]["rates"]:
+        cells = []
+        for lab in labels:
+            rows = [r for r in res["rows"] if r["system"] == lab and r["rate"] == rate]
+            mean, lo, hi = _band(rows, key)
+            cells.append(f"{fmt(mean)} [{fmt(lo)}, {fmt(hi)}]")
+        lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+    if res["capacity"]:
+        lines += [
+            "",
+            f"Capacity ({res['rule']}):",
+            "",
+            "| system | capacity (req/s) | vs " + base + " |",
+            "|---|---|---|",
+        ]
+        ref = res["capacity"].get(base, {}).get("capacity")
+        for lab in labels:
+            c = res["capacity"][lab]
+            if c["below_floor"]:
+                text, ratio = f"< {c['floor']:g} (floor)", "-"
+            else:
+                text = f"{c['capacity']:.2f}" + (" (beyond the sweep)" if c.get("beyond_sweep") else "")
+                ratio = f"{c['capacity'] / ref:.2f}x" if ref else "-"
+            lines.append(f"| {lab} | {text} | {ratio} |")
+    if any(r.get("norm_latency_late_s") is not None for r in res["rows"]) and res["capacity"]:
+        lines += ["", growth_table(res)]
+    if res.get("comparisons"):
+        lines += ["", comparison_table(res)]
+    if res.get("counters"):
+        lines += ["", mechanism_table(res)]
+    if any("regrouped" in r for r in res["rows"]):
+        lines += ["", counter_table(res)]
+    return "\n".join(lines)
+
+
+def _ratio_text(res: dict[str, Any], sys_label: str, base_label: str) -> str:
+    """Capacity ratio where the claim has a rule; else the headline metric's ratio per rate:
+    ratio of the seed means [min, max of the per-seed ratios], with the counts behind goodput."""
+    caps = res.get("capacity") or {}
+    if caps:
+        a, b = caps.get(sys_label, {}), caps.get(base_label, {})
+        if a.get("below_floor") or b.get("below_floor") or not a or not b:
+            return "below the floor: " + (sys_label if a.get("below_floor") else base_label)
+        ratio = a["capacity"] / b["capacity"]
+        text = f"**{ratio:.2f}x** ({a['capacity']:.2f} vs {b['capacity']:.2f} req/s)"
+        if b.get("beyond_sweep") and not a.get("beyond_sweep"):
+            text = "<= " + text
+        elif a.get("beyond_sweep") and not b.get("beyond_sweep"):
+            text = ">= " + text
+        elif a.get("beyond_sweep") and b.get("beyond_sweep"):
+            text += " (both beyond the sweep)"
+        return text
+    key = res["metrics"][0]
+    parts = []
+    for rate in res["setup"]["rates"]:
+        mine = {r["seed"]: r for r in res["rows"] if r["system"] == sys_label and r["rate"] == rate}
+        base = {r["seed"]: r for r in res["rows"] if r["system"] == base_label and r["rate"] == rate}
+        seeds = sorted(set(mine) & set(base))
+        if not seeds:
+            continue
+        m = float(np.mean([mine[k][key] or 0.0 for k in seeds]))
+        b = float(np.mean([base[k][key] or 0.0 for k in seeds]))
+        per_seed = [(mine[k][key] or 0.0) / base[k][key] for k in seeds if base[k][key]]
+        text = f"{rate:g}: {fmt(m / b) if b else '-'}x"
+        if per_seed:
+            text += f" [{fmt(min(per_seed))}, {fmt(max(per_seed))}]"
+        if key.startswith("goodput"):
+            good_m = sum(mine[k]["num_good"] for k in seeds)
+            good_b = sum(base[k]["num_good"] for k in seeds)
+            judged = sum(base[k]["num_judged"] for k in seeds)
+            text += f" ({good_m} vs {good_b} of {judged} requests met their SLO)"
+        parts.append(text)
+    return "; ".join(parts) or "-"
+
+
+def growth_table(res: dict[str, Any]) -> str:
+    """Normalized latency of the measured window's second half over its first (by arrival),
+    mean over seeds: about 1 in a steady state, well above 1 while a queue still grows."""
+    rates = res["setup"]["rates"]
+    lines = [
+        "Steady state: normalized latency, second half of the measured arrivals over the first (mean over seeds)",
+        "",
+        "| system | " + " | ".join(f"{r:g}" for r in rates) + " |",
+        "|---|" + "---|" * len(rates),
+    ]
+    for s in res["systems"]:
+        cells = []
+        for rate in rates:
+            rows = [r for r in res["rows"] if r["system"] == s["label"] and r["rate"] == rate]
+            ratios = [
+                r["norm_latency_late_s"] / r["norm_latency_early_s"] for r in rows if r.get("norm_latency_early_s")
+            ]
+            cells.append(fmt(float(np.mean(ratios))) if ratios else "-")
+        lines.append(f"| {s['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def comparison_table(res: dict[str, Any]) -> str:
+    head = "| comparison | system vs baseline | ratio | what each side brings |"
+    lines = ["Comparisons:", "", head, "|---|---|---|---|"]
+    for c in res["comparisons"]:
+        ratio = _ratio_text(res, c["system"], c["baseline"])
+        lines.append(f"| {c['kind']} | {c['system']} vs {c['baseline']} | {ratio} | {c['note']} |")
+    return "\n".join(lines)
+
+
+def mechanism_table(res: dict[str, Any]) -> str:
+    """The paper mechanisms' counters (`details.policy_stats`, `router_stats`), mean over seeds."""
+    keys = res["counters"]
+    lines = [
+        "Mechanism counters (mean over seeds, whole run): " + ", ".join(keys),
+        "",
+        "| system | rate | " + " | ".join(keys) + " |",
+        "|---|---|" + "---|" * len(keys),
+    ]
+    for s in res["systems"]:
+        for rate in res["setup"]["rates"]:
+            rows = [r for r in res["rows"] if r["system"] == s["label"] and r["rate"] == rate]
+            if not rows or not any(r.get("counters") or r.get("router_counters") for r in rows):
+                continue
+            # a counter a policy keeps but never moved is absent from its report: 0
+            merged = [{**r.get("router_counters", {}), **r.get("counters", {})} for r in rows]
+            vals = [fmt(float(np.mean([m.get(k, 0) for m in merged])), 4) for k in keys]
+            lines.append(f"| {s['label']} | {rate:g} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def counter_table(res: dict[str, Any]) -> str:
+    """EconoServe's misprediction counters and the preemptions, mean over seeds per rate."""
+    rates = sorted({r["rate"] for r in res["rows"]})
+    lines = [
+        "Mean over seeds: regrouped / stopped at a full allocation (mispredicted_kept) / preemptions",
+        "",
+        "| system | " + " | ".join(f"{r:g} req/s" for r in rates) + " |",
+        "|---|" + "---|" * len(rates),
+    ]
+    for s in res["systems"]:
+        cells = []
+        for rate in rates:
+            rows = [r for r in res["rows"] if r["system"] == s["label"] and r["rate"] == rate]
+            if not rows:
+                cells.append("-")
+                continue
+            keys = ("regrouped", "mispredicted_kept", "preemptions")
+            cells.append(" / ".join(fmt(_mean(rows, k), 4) for k in keys))
+        lines.append(f"| {s['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = res["metrics"]
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8))
+    for ax, key in zip(np.atleast_1d(axes), keys, strict=True):
+        for s in res["systems"]:
+            pts = []
+            for rate in sorted({r["rate"] for r in res["rows"] if r["system"] == s["label"]}):
+                rows = [r for r in res["rows"] if r["system"] == s["label"] and r["rate"] == rate]
+                pts.append((rate, *_band(rows, key)))
+            if not pts:
+                continue
+            x, mean, lo, hi = (np.array(v) for v in zip(*pts, strict=True))
+            ax.plot(x, mean, marker="o", ls="--" if s["ours"] else "-", label=s["label"])
+            ax.fill_between(x, lo, hi, alpha=0.2)
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    np.atleast_1d(axes)[0].legend(fontsize=8)
+    fig.suptitle(res["title"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
