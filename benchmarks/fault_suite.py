@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # overload.py, beside this script
 
-from fault_harness import (  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from sluice_bench.fault_harness import (  # noqa: E402
     EchoWorker,
     fuzz_generation_api,
     fuzz_worker_api,
@@ -50,7 +51,6 @@ from fault_harness import (  # noqa: E402
     scenario_sigkill_under_load,
     stack,
 )
-from tqdm import tqdm  # noqa: E402
 
 
 async def fuzzing(examples: int, seed: int) -> dict[str, Any]:

@@ -47,15 +47,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+import grpc
+from tqdm import tqdm
 
-import grpc  # noqa: E402
-from fault_harness import spawn_worker_process, stack  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from scheduler_service.core.admission import StepSpeed  # noqa: E402
-from sluice.v1 import common_pb2, generation_pb2  # noqa: E402
+from scheduler_service.core.admission import StepSpeed
+from sluice.v1 import common_pb2, generation_pb2
+from sluice_bench.fault_harness import spawn_worker_process, stack
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from sluice_bench.vllm_plugin_harness import TINY_MODEL
 
-from tests.vllm_plugin_harness import TINY_MODEL  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SERVE_FLAGS = [
     "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
@@ -57,9 +56,9 @@ def cmd_overhead(args: argparse.Namespace) -> int:
     import numpy as np
     from tqdm import tqdm
 
+    from sluice_bench.vllm_plugin_harness import build_scheduler, make_request, step
     from sluice_vllm.scheduler import SluiceScheduler
     from sluice_vllm.vllm_compat import Scheduler
-    from tests.vllm_plugin_harness import build_scheduler, make_request, step
 
     variants = {"vllm": None, **{p: p for p in args.policy}}
     rng = random.Random(0)

@@ -15,9 +15,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from fault_harness import EchoWorker, stack
 
 from sluice.common.security import SecurityConfig, ServerSecurity
+from sluice_bench.fault_harness import EchoWorker, stack
 
 pytestmark = pytest.mark.slow
 

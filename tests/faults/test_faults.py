@@ -6,7 +6,8 @@ aborts at every stage leak no KV block or request, on the scheduler or the worke
 from __future__ import annotations
 
 import pytest
-from fault_harness import (
+
+from sluice_bench.fault_harness import (
     scenario_all_killed_then_one_back,
     scenario_overload,
     scenario_random_cancellations,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from fault_harness import EchoWorker, fuzz_generation_api, fuzz_worker_api, stack
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sluice_bench.fault_harness import EchoWorker, fuzz_generation_api, fuzz_worker_api, stack
 from worker_service.engine import EngineConfig, LLMEngine
 from worker_service.server import build_server
 

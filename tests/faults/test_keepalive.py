@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import asyncio
 
-from fault_harness import EchoWorker, metric, prompt, sampling, stack
-
 from sluice.common.grpc_server import Keepalive
 from sluice.common.prom import ServingMetrics
+from sluice_bench.fault_harness import EchoWorker, metric, prompt, sampling, stack
 from worker_service.server import WorkerServerOptions
 
 SHORT = Keepalive(min_ping_interval_s=0.25, server_time_s=0.5, timeout_s=2.0)

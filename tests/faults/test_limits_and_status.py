@@ -12,12 +12,12 @@ import asyncio
 
 import grpc
 import pytest
-from fault_harness import EchoWorker, Stack, prompt, sampling, stack
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from sluice.v1 import common_pb2, generation_pb2
+from sluice_bench.fault_harness import EchoWorker, Stack, prompt, sampling, stack
 
 VOCAB = 30522  # the tiny presets' vocabulary (the MiniLM tokenizer's)
 HI = {"text": "hi"}

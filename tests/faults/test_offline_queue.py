@@ -12,12 +12,12 @@ import asyncio
 
 import grpc
 import pytest
-from fault_harness import EchoWorker, Ending, Stack, metric, prompt, sampling, stack
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from sluice.common.prom import ServingMetrics
 from sluice.v1 import common_pb2, generation_pb2
+from sluice_bench.fault_harness import EchoWorker, Ending, Stack, metric, prompt, sampling, stack
 from worker_service.echo_engine import EchoEngine
 from worker_service.engine import EngineConfig
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fault_harness import EchoWorker, prompt, sampling, spawn_worker_process, stack
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli import main as sluice
@@ -25,6 +24,7 @@ from sluice.common.client import SluiceClient
 from sluice.common.config import config_from
 from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted
 from sluice.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from sluice_bench.fault_harness import EchoWorker, prompt, sampling, spawn_worker_process, stack
 from worker_service.server import WorkerServerOptions
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import grpc
 import pytest
-from fault_harness import EchoWorker, prompt, sampling, stack
 
 from sluice.common.grpc_server import CHANNEL_OPTIONS
 from sluice.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from sluice_bench.fault_harness import EchoWorker, prompt, sampling, stack
 from worker_service.server import WorkerServerOptions
 
 SESSION = "x-sluice-session"

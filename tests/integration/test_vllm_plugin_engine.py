@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from sluice_bench.vllm_plugin_harness import TINY_MODEL
 from sluice_vllm.config import PluginConfig, parse_policy
-from tests.vllm_plugin_harness import TINY_MODEL
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from vllm.v1.request import Request
 from predictor_service.engine import EngineConfig as PredictorEngineConfig
 from predictor_service.engine import PredictorEngine
 from predictor_service.server import start_server as start_predictor
+from sluice_bench.vllm_plugin_harness import build_scheduler, make_request, step
 from sluice_vllm.scheduler import SluiceScheduler
-from tests.vllm_plugin_harness import build_scheduler, make_request, step
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the session trains the tiny predictor first
 PROMPT = list(range(3000, 3040))  # token ids of the demo vocabulary (the predictor decodes them)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from sluice_bench.vllm_plugin_harness import TINY_MODEL
 from sluice_vllm.launcher import SYNC_CLS, serve_command
 from tests.predictor_harness import closed_port
-from tests.vllm_plugin_harness import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
-from fault_harness import Ending, Stack, prompt, sampling, spawn_worker_process
 
 from scheduler_service.live.discovery import DnsTarget, WorkerDiscovery, resolve_host
 from services.serve import SchedulerServiceConfig, start_scheduler
@@ -23,6 +22,7 @@ from sluice.common.certs import write_dev_pki
 from sluice.common.grpc_server import GrpcServer
 from sluice.common.security import PLAINTEXT, ClientSecurity, SecurityConfig, ServerSecurity
 from sluice.v1 import generation_pb2
+from sluice_bench.fault_harness import Ending, Stack, prompt, sampling, spawn_worker_process
 from worker_service.echo_engine import EchoEngine
 from worker_service.engine import EngineConfig
 from worker_service.server import WorkerServerOptions, build_server

@@ -48,6 +48,7 @@ VLLM_ADAPTERS = (
     "sluice_vllm/scheduler.py",
     "sluice_vllm/launcher.py",
     "worker_service/vllm_engine.py",
+    "sluice_bench/vllm_plugin_harness.py",  # drives vLLM's own scheduler classes, the tests' reference
 )
 
 
@@ -124,3 +125,45 @@ def test_the_engine_contract_and_registry_stay_free_of_torch_and_vllm() -> None:
     for name in ("engine_contract.py", "engines.py"):
         modules = [m.split(".")[0] for _, m in imported_modules(ROOT / "worker_service" / name)]
         assert "torch" not in modules and "vllm" not in modules, name
+
+
+# calls that run or import a file by its path, and sys.path edits: a script reaching into another tree
+_PATH_LOADERS = ("spec_from_file_location", "run_path", "SourceFileLoader", "insert", "append")
+
+
+def cross_references(tree: str, other: str) -> list[str]:
+    """Where a file of `tree` (tests or benchmarks) imports `other`, or loads or puts on the import
+    path a file or folder named `other` (importlib by file location, runpy, sys.path)."""
+    out = []
+    for path in sorted((ROOT / tree).rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        text = path.read_text()
+        for line, module in imported_modules(path):
+            if module.split(".")[0] == other:
+                out.append(f"{rel}:{line} imports {module}")
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in _PATH_LOADERS and f'"{other}"' in (ast.get_source_segment(text, node) or ""):
+                out.append(f"{rel}:{node.lineno} loads from {other}/")
+    return out
+
+
+@pytest.mark.parametrize(("tree", "other"), [("tests", "benchmarks"), ("benchmarks", "tests")])
+def test_tests_and_benchmarks_share_only_the_harness(tree: str, other: str) -> None:
+    """What both use lives in sluice_bench/ (an installed package); neither reaches into the other."""
+    assert cross_references(tree, other) == []
+
+
+def test_the_cross_reference_check_sees_a_file_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text(
+        'import importlib.util\nspec = importlib.util.spec_from_file_location("r", ROOT / "benchmarks" / "r.py")\n'
+        "from benchmarks.repro import main\n"
+    )
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert [f.split(" ", 1)[1] for f in cross_references("tests", "benchmarks")] == [
+        "imports benchmarks.repro",
+        "loads from benchmarks/",
+    ]

@@ -1,5 +1,5 @@
 """The plug-in inside vLLM's real scheduler classes, no model: each policy's admission order,
-token budget and preemption victim on synthetic requests (tests/vllm_plugin_harness.py plays
+token budget and preemption victim on synthetic requests (sluice_bench/vllm_plugin_harness.py plays
 the model: one token per scheduled decode)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 pytest.importorskip("vllm")
 
 from scheduler_service.policies.decisions import budget_from_tbt_slo
+from sluice_bench.vllm_plugin_harness import build_scheduler, make_request, step
 from sluice_vllm.config import PluginConfigError
 from sluice_vllm.policies import LinearStepTime
 from sluice_vllm.scheduler import SluiceAsyncScheduler, SluiceScheduler
 from sluice_vllm.vllm_compat import Scheduler, UnsupportedVLLMError, check_version
-from tests.vllm_plugin_harness import build_scheduler, make_request, step
 
 BASES = [SluiceScheduler, SluiceAsyncScheduler]
 

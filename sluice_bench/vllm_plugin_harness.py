@@ -1,6 +1,7 @@
-"""Shared by the vLLM plug-in's tests: a tiny Llama config (dummy weights, no download), vLLM's
-real scheduler classes built without a model, synthetic requests, and a step driver that
-plays the model's part (one sampled token per scheduled decode)."""
+"""Shared by the vLLM plug-in's tests and its benchmark (benchmarks/vllm_plugin.py): a tiny
+Llama config (dummy weights, no download), vLLM's real scheduler classes built without a model,
+synthetic requests, and a step driver that plays the model's part (one sampled token per
+scheduled decode)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-TINY_MODEL = str(Path(__file__).resolve().parent / "data" / "tiny-llama-vllm")
+# a tiny Llama's config (no weights: vLLM loads dummy ones), in the tests' data
+TINY_MODEL = str(Path(__file__).resolve().parents[1] / "tests" / "data" / "tiny-llama-vllm")
 BLOCK_SIZE = 32  # CPU KV blocks are multiples of 32
 
 
