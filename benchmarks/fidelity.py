@@ -37,10 +37,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from live_common import ROOT, spawn_worker
-
 from scheduler_service.costmodel.fitted import FittedCostModel
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
@@ -50,6 +46,7 @@ from scheduler_service.sim.workloads import TraceRequest, Workload, apply_arriva
 from services.bench import BenchRequest, RequestRecord, prepare_requests, run_requests
 from sluice.common.client import SluiceClient
 from sluice.contract.profile import BatchShape
+from sluice_bench.live import ROOT, spawn_worker
 
 BLOCK_SIZE = 16
 

@@ -40,15 +40,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from live_common import WorkerProcess, spawn_service, spawn_worker
-
 from scheduler_service.core.slo import NO_SLO, SLOSpec
 from services.bench import BenchRequest, RequestRecord, run_requests, summarize, synthetic_prompt
 from services.bench import _send as send_grpc
 from services.bench_openai import OpenAIBench
 from sluice.common.client import SluiceClient
+from sluice_bench.live import WorkerProcess, spawn_service, spawn_worker
 
 BACKENDS = ("grpc", "http")
 CPU_NAMES = ("client", "gateway", "scheduler", "worker")

@@ -31,9 +31,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.live_common import spawn_worker
 from sluice.common.grpc_server import KEEPALIVE
 from sluice.v1 import worker_pb2, worker_pb2_grpc
+from sluice_bench.live import spawn_worker
 
 LOOPBACK_METHOD = "/sluice.bench.Loopback/Read"
 

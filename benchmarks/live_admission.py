@@ -25,13 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from live_common import ROOT, spawn_worker
-
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
 from scheduler_service.server import SchedulerServer
+from sluice_bench.live import ROOT, spawn_worker
 
 
 async def one_run(addresses: list[str], concurrency: int, args: argparse.Namespace, out: Path) -> dict:

@@ -56,10 +56,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from live_common import spawn_worker
-
 from scheduler_service import policies  # noqa: F401  (registers the policies)
 from scheduler_service.cluster import Cluster, ClusterSpec, WorkerSpec, build_cluster
 from scheduler_service.core.request import Request
@@ -69,6 +65,7 @@ from scheduler_service.live.remote import RemoteWorker, WarmupOptions
 from sluice.contract.plan_codec import plan_to_proto
 from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2
+from sluice_bench.live import spawn_worker
 
 GPU_STEP_S = 0.020
 TARGET_SHARE = 0.05

@@ -48,7 +48,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import secrets
 import signal
 import socket
@@ -63,7 +62,7 @@ from urllib.parse import urlparse
 
 from scheduler_service.live.config import LiveConfig
 from services.affinity import child_cpus, parse_cpus, pin_self
-from services.child import launcher_command
+from services.child import launcher_command, listening_address
 from sluice.common.config import add_config_arguments, config_from, opt, subset
 from sluice.common.security import (
     ClientSecurity,
@@ -76,7 +75,6 @@ from sluice.common.security import (
 
 log = logging.getLogger(__name__)
 
-_LISTENING = re.compile(rb"listening on ([\w.\-\[\]:]+):(\d+)")
 
 
 @dataclass
@@ -456,8 +454,8 @@ async def _listening_address(worker: WorkerProcess, timeout_s: float) -> str:
     assert stdout is not None
     async with asyncio.timeout(timeout_s):
         while line := await stdout.readline():
-            if match := _LISTENING.search(line):
-                return f"{match.group(1).decode()}:{match.group(2).decode()}"
+            if address := listening_address(line):
+                return address
     code = await worker.proc.wait()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(asyncio.shield(worker._drains[0]), 2.0)  # its last stderr lines

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import resource
 import signal
 import subprocess
@@ -33,6 +32,7 @@ from grpc_status import rpc_status
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
 from scheduler_service.server import SchedulerServer
+from services.child import start_listening
 from sluice.common.grpc_server import KEEPALIVE, GrpcServer, Keepalive
 from sluice.common.prom import ServingMetrics
 from sluice.common.security import PLAINTEXT, ClientSecurity, ServerSecurity
@@ -42,7 +42,6 @@ from worker_service.engine import EngineConfig
 from worker_service.server import WorkerServerOptions, build_server
 
 ROOT = Path(__file__).resolve().parents[1]
-_LISTENING = re.compile(r"listening on ([\w.\-]+):(\d+)")
 
 
 # ---------------------------------------------------------------- workers
@@ -118,20 +117,10 @@ async def spawn_worker_process(
     cmd += ["--echo-step-ms", str(step_ms), *extra]
     environment = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_DATA_DIR"}
     environment.update(env or {})
-    process = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environment, text=True
-    )
-    line = await asyncio.to_thread(_read_listening, process)
-    return WorkerProcess(process, line)
-
-
-def _read_listening(process: subprocess.Popen) -> str:
-    assert process.stdout is not None
-    for line in process.stdout:
-        if match := _LISTENING.search(line):
-            process.stdout.close()  # NOTE: the worker prints little more; a closed pipe drops it
-            return f"{match.group(1)}:{match.group(2)}"
-    raise RuntimeError(f"the worker exited (code {process.wait()}) before listening")
+    # NOTE: started from a helper thread, so not tied to it by the kernel (die_with_us): the
+    # tests and the suite stop their workers themselves
+    process, address = await asyncio.to_thread(start_listening, cmd, env=environment, cwd=ROOT, die_with_us=False)
+    return WorkerProcess(process, address)
 
 
 # ---------------------------------------------------------------- the scheduler

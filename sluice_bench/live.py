@@ -1,4 +1,5 @@
-"""Helpers of the live benchmarks: worker processes started and stopped as `sluice worker` is.
+"""Helpers of the live benchmarks: worker processes started and stopped as `sluice serve` starts
+and stops them (its launcher, services/child.py: a child dies with the benchmark).
 
 spawn_service(args, log_path) -> (process, port): any `sluice` command as a process, its port
     read from its "listening on" line
@@ -9,16 +10,15 @@ WorkerProcess.stop(): SIGTERM (graceful shutdown), then SIGKILL after a grace pe
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.child import start_listening
+
 ROOT = Path(__file__).resolve().parents[1]
-_LISTENING = re.compile(r"listening on ([\w.\-]+):(\d+)")
 
 
 @dataclass
@@ -76,19 +76,13 @@ def spawn_worker(
 def spawn_service(
     args: list[str], log_path: Path, timeout_s: float = 60.0, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen, int]:
-    """`python -m services.cli ARGS` as a process (stderr to `log_path`, `env` over ours); its
-    port from the "listening on" line of its stdout."""
+    """`python -m services.cli ARGS` as a child process (services/child.py's launcher: it dies with
+    this process), stderr to `log_path`, `env` over ours; its port from its "listening on" line."""
     cmd = [sys.executable, "-m", "services.cli", *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    log = log_path.open("w")
-    process = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, env=full_env)
-    deadline = time.monotonic() + timeout_s
-    assert process.stdout is not None
-    for line in process.stdout:
-        match = _LISTENING.search(line)
-        if match:
-            return process, int(match.group(2))
-        if time.monotonic() > deadline:
-            break
-    process.kill()
-    raise RuntimeError(f"{args[0]} did not start ({' '.join(cmd)}); see {log_path}")
+    with log_path.open("w") as log:
+        try:
+            process, address = start_listening(cmd, env=full_env, cwd=ROOT, stderr=log, timeout_s=timeout_s)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; see {log_path}") from exc
+    return process, int(address.rsplit(":", 1)[1])
