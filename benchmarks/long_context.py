@@ -27,14 +27,12 @@ Length-using policies get the oracle (the papers' "Oracle" line).
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from scheduler_service import policies  # noqa: F401  (registration)
 from scheduler_service.core.policy import POLICIES
@@ -44,6 +42,9 @@ from scheduler_service.sim.capacity import find_capacity, parse_rule
 from scheduler_service.sim.simulator import SimConfig, SimRun, Simulation, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
 from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
+from sluice_bench.options import Parallelism, add_parallel_options, benchmark_parser
+from sluice_bench.report import write_json
+from sluice_bench.sweep import run_tasks
 
 MODEL, HARDWARE, MAX_TOKENS = "llama-3.1-8b", "h100-80g", 2048
 BASE = SimConfig(max_tokens=MAX_TOKENS, length_source="oracle")
@@ -132,25 +133,28 @@ def run_timed(config: SimConfig, wl: Workload, cm: CostModel) -> dict[str, Any]:
     return out
 
 
-def prefix_part(cm: CostModel, scenarios: list[tuple[str, str, int, float]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, trace, n, rate in tqdm(scenarios, desc="prefix caching on/off", unit="trace"):
-        wl = workload(trace, n, rate, cm)
-        on = run(replace(BASE, policy="vllm"), wl, cm)
-        off = run(replace(BASE, policy="vllm", prefix_caching=False), wl, cm)
-        share = on["prefix_cache"]["hit_rate"] or 0.0
-        out[name] = {
-            "trace": trace,
-            "requests": n,
-            "rate": rate,
-            "on": on,
-            "off": off,
-            "cached_share": share,
-            "trace_prefix_share": trace_prefix_share(wl),
-            "ttft_p50_drop": 1 - on["ttft_p50_s"] / off["ttft_p50_s"],
-            "prefill_drop": 1 - on["prefill_tokens"] / off["prefill_tokens"],
-        }
-    return out
+def prefix_one(name: str, trace: str, n: int, rate: float) -> dict[str, Any]:
+    cm = build_cost_model("analytic", MODEL, HARDWARE)
+    wl = workload(trace, n, rate, cm)
+    on = run(replace(BASE, policy="vllm"), wl, cm)
+    off = run(replace(BASE, policy="vllm", prefix_caching=False), wl, cm)
+    share = on["prefix_cache"]["hit_rate"] or 0.0
+    return {
+        "trace": trace,
+        "requests": n,
+        "rate": rate,
+        "on": on,
+        "off": off,
+        "cached_share": share,
+        "trace_prefix_share": trace_prefix_share(wl),
+        "ttft_p50_drop": 1 - on["ttft_p50_s"] / off["ttft_p50_s"],
+        "prefill_drop": 1 - on["prefill_tokens"] / off["prefill_tokens"],
+    }
+
+
+def prefix_part(scenarios: list[tuple[str, str, int, float]], parallelism: Parallelism) -> dict[str, Any]:
+    found = run_tasks(prefix_one, scenarios, parallelism, desc="prefix caching on/off")
+    return {scenario[0]: r for scenario, r in zip(scenarios, found, strict=True)}
 
 
 def trace_prefix_share(wl: Workload) -> float:
@@ -171,48 +175,67 @@ def trace_prefix_share(wl: Workload) -> float:
     return hit / total if total else 0.0
 
 
-def policies_part(cm: CostModel, n: int, rates: list[float]) -> dict[str, Any]:
+def policy_one(rate: float, policy: str, router: str, n: int) -> dict[str, Any]:
+    cm = build_cost_model("analytic", MODEL, HARDWARE)
+    return run_timed(replace(BASE, policy=policy, router=router), workload("mooncake", n, rate, cm), cm)
+
+
+def policies_part(n: int, rates: list[float], parallelism: Parallelism) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # SCLS is its router plus its policy
     rows = [(p, p, "scls" if p == "scls" else "round_robin") for p in POLICIES.names()] + OURS
     jobs = [(rate, row) for rate in rates for row in rows]
-    for rate, (name, policy, router) in tqdm(jobs, desc="policies on long contexts", unit="run"):
-        wl = workload("mooncake", n, rate, cm)
-        result = run_timed(replace(BASE, policy=policy, router=router), wl, cm)
+    calls = [(rate, policy, router, n) for rate, (_, policy, router) in jobs]
+    found = run_tasks(policy_one, calls, parallelism, desc="policies on long contexts")
+    for (rate, (name, policy, router)), result in zip(jobs, found, strict=True):
         out.setdefault(str(rate), {})[name] = {"policy": policy, "router": router, **result}
     return out
 
 
-def capacity_part(cm: CostModel, n: int) -> dict[str, Any]:
+def capacity_one(policy: str, n: int) -> dict[str, Any]:
+    """`policy`'s capacity on Mooncake under the sarathi rule (doubling, then bisection)."""
+    cm = build_cost_model("analytic", MODEL, HARDWARE)
     base = load_trace("mooncake", num_requests=n, seed=0)
     probe = apply_slo_profile("sarathi-relaxed", apply_arrivals(base, "auto", rate=1.0, seed=0), cm, seed=0)
     tbt = float(np.median([r.slo.tbt_s for r in probe.requests]))
-    out: dict[str, Any] = {"tbt_slo_s": tbt}
-    for policy in tqdm(["vllm", "sarathi", "sarathi:price_in_time=false"], desc="capacity", unit="policy"):
 
-        def run_at(rate: float, policy: str = policy) -> SimRun:
-            wl = apply_slo_profile("sarathi-relaxed", apply_arrivals(base, "auto", rate=rate, seed=0), cm, seed=0)
-            result = simulate(replace(BASE, policy=policy), wl, cm)
-            result.config["rate"] = rate
-            return result
+    def run_at(rate: float) -> SimRun:
+        wl = apply_slo_profile("sarathi-relaxed", apply_arrivals(base, "auto", rate=rate, seed=0), cm, seed=0)
+        result = simulate(replace(BASE, policy=policy), wl, cm)
+        result.config["rate"] = rate
+        return result
 
-        found = find_capacity(run_at, parse_rule("sarathi"), tbt, start_rate=0.25, rel_tol=0.05)
-        at = found.run_at_capacity
-        out[policy] = {
-            "capacity_req_s": found.capacity_req_s,
-            "probes": found.probes,
-            "tbt_p99_at_capacity_s": at.metrics["tbt_s"]["p99"] if at else None,
-        }
+    found = find_capacity(run_at, parse_rule("sarathi"), tbt, start_rate=0.25, rel_tol=0.05)
+    at = found.run_at_capacity
+    return {
+        "tbt_slo_s": tbt,
+        "capacity_req_s": found.capacity_req_s,
+        "probes": found.probes,
+        "tbt_p99_at_capacity_s": at.metrics["tbt_s"]["p99"] if at else None,
+    }
+
+
+def capacity_part(n: int, parallelism: Parallelism) -> dict[str, Any]:
+    names = ["vllm", "sarathi", "sarathi:price_in_time=false"]
+    found = run_tasks(capacity_one, [(p, n) for p in names], parallelism, desc="capacity")
+    out: dict[str, Any] = {"tbt_slo_s": found[0]["tbt_slo_s"]}
+    for policy, result in zip(names, found, strict=True):
+        out[policy] = {k: v for k, v in result.items() if k != "tbt_slo_s"}
     return out
 
 
-def routers_part(cm: CostModel, scenarios: list[tuple[str, str, int, float]]) -> dict[str, Any]:
+def router_one(trace: str, n: int, rate: float, router: str) -> dict[str, Any]:
+    cm = build_cost_model("analytic", MODEL, HARDWARE)
+    return run(replace(BASE, policy="vllm", num_workers=4, router=router), workload(trace, n, rate, cm), cm)
+
+
+def routers_part(scenarios: list[tuple[str, str, int, float]], parallelism: Parallelism) -> dict[str, Any]:
     out: dict[str, Any] = {}
     jobs = [(s, r) for s in scenarios for r in ("round_robin", "least_work", "prefix_aware")]
-    for (name, trace, n, rate), router in tqdm(jobs, desc="routers, 4 workers", unit="run"):
-        wl = workload(trace, n, rate, cm)
-        config = replace(BASE, policy="vllm", num_workers=4, router=router)
-        out.setdefault(name, {"trace": trace, "requests": n, "rate": rate})[router] = run(config, wl, cm)
+    calls = [(trace, n, rate, router) for (_, trace, n, rate), router in jobs]
+    found = run_tasks(router_one, calls, parallelism, desc="routers, 4 workers")
+    for ((name, trace, n, rate), router), result in zip(jobs, found, strict=True):
+        out.setdefault(name, {"trace": trace, "requests": n, "rate": rate})[router] = result
     return out
 
 
@@ -307,19 +330,20 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--out", default="docs/results/data/long_context", help="writes OUT.json and OUT.png")
     parser.add_argument(
         "--requests", type=int, default=1000, help="Mooncake requests of the policies and capacity parts"
     )
     parser.add_argument("--rates", default="0.5,1.0", help="Mooncake rates of the policies part (req/s)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    add_parallel_options(parser)
     args = parser.parse_args()
+    parallelism = Parallelism.from_args(args)
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         parser.error(f"--parts: unknown part(s) {unknown}; choose from {PARTS}")
-    cm = build_cost_model("analytic", MODEL, HARDWARE)
     prefix_scenarios = [("mooncake", "mooncake", 3993, 1.0)] + [
         (f"sharegpt-multiturn@{rate:g}", "sharegpt-multiturn", 2000, rate) for rate in MULTITURN_RATES
     ]
@@ -333,10 +357,10 @@ def main() -> None:
     if missing:
         parser.error(f"--parts: {missing} not run and not in {out.with_suffix('.json')}; run them too")
     jobs = {
-        "prefix": lambda: prefix_part(cm, prefix_scenarios),
-        "policies": lambda: policies_part(cm, args.requests, [float(x) for x in args.rates.split(",")]),
-        "capacity": lambda: capacity_part(cm, min(args.requests, 600)),
-        "routers": lambda: routers_part(cm, router_scenarios),
+        "prefix": lambda: prefix_part(prefix_scenarios, parallelism),
+        "policies": lambda: policies_part(args.requests, [float(x) for x in args.rates.split(",")], parallelism),
+        "capacity": lambda: capacity_part(min(args.requests, 600), parallelism),
+        "routers": lambda: routers_part(router_scenarios, parallelism),
     }
     results: dict[str, Any] = {"model": MODEL, "hardware": HARDWARE, "max_tokens": MAX_TOKENS}
     for part in PARTS:
@@ -345,8 +369,7 @@ def main() -> None:
         else:
             print(f"{part}: copied from {out.with_suffix('.json')} (not run)")
             results[part] = previous[part]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    write_json(results, out.with_suffix(".json"), indent=1, quiet=True)
     plot(results, out.with_suffix(".png"))
     print_tables(results)
     print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,11 @@ class Parallelism:
 
 
 SERIAL = Parallelism()
+
+
+def benchmark_parser(doc: str | None, **kwargs: Any) -> argparse.ArgumentParser:
+    """A benchmark's parser: its module docstring as the description, line breaks kept."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
 
 def add_common_options(

@@ -42,11 +42,14 @@ def to_payload(value: Any) -> Any:
     return value
 
 
-def write_json(payload: Any, path: str | Path, *, indent: int | None = 2, quiet: bool = False) -> Path:
+def write_json(
+    payload: Any, path: str | Path, *, indent: int | None = 2, sort_keys: bool = False, quiet: bool = False
+) -> Path:
     """`payload` (or SimRuns, see `to_payload`) as JSON at `path` (its folder made), paths scrubbed."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(scrub(to_payload(payload)), indent=indent, default=str) + "\n")
+    text = json.dumps(scrub(to_payload(payload)), indent=indent, sort_keys=sort_keys, default=str)
+    out.write_text(text + "\n")
     if not quiet:
         print(f"wrote {out}", flush=True)
     return out
