@@ -33,14 +33,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from scheduler_service.core.slo import SLOClass, SLOSpec
 from scheduler_service.costmodel.base import CostModel
@@ -48,6 +46,9 @@ from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.disagg_search import DISTSERVE_ATTAINMENT, cheapest_split, fewest_workers, goodput
 from scheduler_service.sim.simulator import SimConfig, SimRun, simulate
 from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
+from sluice_bench.options import Parallelism, add_parallel_options
+from sluice_bench.report import write_json
+from sluice_bench.sweep import run_tasks
 
 
 @dataclass(frozen=True)
@@ -193,20 +194,20 @@ def sizing_job(job: tuple[argparse.Namespace, str, float, float]) -> dict[str, A
     return out
 
 
-def sizing_phase(args: argparse.Namespace, rows: list[dict[str, Any]], pool: ProcessPoolExecutor) -> list[dict]:
+def sizing_phase(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict]:
     jobs = []
     for name in args.traces:
         vllm = next(r for r in rows if r["trace"] == name and r["config"] == "vllm")["goodput_req_s"]
         disagg = max(r["goodput_req_s"] for r in rows if r["trace"] == name and r["kind"] == "disagg")
         jobs.append((args, name, vllm, disagg))
-    return list(tqdm(pool.map(sizing_job, jobs), total=len(jobs), desc="sizing", unit="trace"))
+    return run_tasks(sizing_job, [(job,) for job in jobs], Parallelism.from_args(args), desc="sizing")
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
-    pool = ProcessPoolExecutor(args.jobs)
+    parallelism = Parallelism.from_args(args)
     jobs = [(args, name, kind, 0, 0) for name in args.traces for kind in args.colocated]
     jobs += [(args, name, "disagg", p, args.gpus - p) for name in args.traces for p in range(1, args.gpus)]
-    rows = list(tqdm(pool.map(capacity_job, jobs), total=len(jobs), desc="goodput searches", unit="config"))
+    rows = run_tasks(capacity_job, [(job,) for job in jobs], parallelism, desc="goodput searches")
     best = {
         name: max((r for r in rows if r["trace"] == name and r["kind"] == "disagg"), key=lambda r: r["goodput_req_s"])
         for name in args.traces
@@ -222,11 +223,10 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             diag_jobs.append((args, name, "disagg", b["prefill"], b["decode"], rate, which, "nvlink"))
         for network in ("infiniband", "ethernet"):
             diag_jobs.append((args, name, "disagg", b["prefill"], b["decode"], rate, "both", network))
-    diags = list(tqdm(pool.map(diagnosis_job, diag_jobs), total=len(diag_jobs), desc="diagnosis", unit="run"))
-    sizing = [] if args.skip_sizing else sizing_phase(args, rows, pool)
-    pool.shutdown()
+    diags = run_tasks(diagnosis_job, [(job,) for job in diag_jobs], parallelism, desc="diagnosis")
+    sizing = [] if args.skip_sizing else sizing_phase(args, rows)
     return {
-        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "args": {k: v for k, v in vars(args).items() if k not in ("out", "ray")},
         "goodput": rows,
         "diagnosis": diags,
         "sizing": sizing,
@@ -367,21 +367,19 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=0.08, help="relative precision of each goodput search")
     parser.add_argument("--max-probes", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jobs", type=int, default=2, help="simulations run in parallel")
     parser.add_argument("--out", type=Path, default=Path("docs/results/data/disagg"))
     parser.add_argument("--from-json", action="store_true", help="only redraw the tables and plot from OUT.json")
     parser.add_argument("--resize", action="store_true", help="with --from-json: run the sizing phase again")
+    add_parallel_options(parser)
     args = parser.parse_args()
     if args.from_json:
         data = json.loads(args.out.with_suffix(".json").read_text())
         if args.resize:
-            with ProcessPoolExecutor(args.jobs) as pool:
-                data["sizing"] = sizing_phase(args, data["goodput"], pool)
-            args.out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
+            data["sizing"] = sizing_phase(args, data["goodput"])
+            write_json(data, args.out.with_suffix(".json"), indent=1)
     else:
         data = run_all(args)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
+        write_json(data, args.out.with_suffix(".json"), indent=1)
     print(report(data, args.out))
 
 
