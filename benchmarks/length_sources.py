@@ -22,8 +22,6 @@ the number of times ALISE's rule doubles a prediction before it covers the reque
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from collections import defaultdict
 from typing import Any
@@ -39,6 +37,9 @@ from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
 from services.lengths import predictor_lengths
 from sluice.common.tokenizer import demo_tokenizer_path
 from sluice.contract.lengths import bucket_accuracy
+from sluice_bench.options import SERIAL, Parallelism, add_common_options, benchmark_parser, seed_list
+from sluice_bench.report import write_json
+from sluice_bench.sweep import run_tasks
 
 POLICIES = ("alise", "econoserve", "accelgen", "scls", "fastserve", "sls", "sarathi", "vllm")
 # never read a predicted length (scheduler_service/policies): run once, with the oracle, as references
@@ -86,34 +87,41 @@ def _row(trace: str, policy: str, source: str, seed: int, run: Any) -> dict[str,
     }
 
 
-def run(num_requests: int, seeds: list[int]) -> dict[str, Any]:
+def run_one(workload: Workload, table: TableLengths, policy: str, source: str, seed: int) -> Any:
+    """One policy with one length source on one seed's workload (`table`: the predictor's answers)."""
+    cost_model = build_cost_model("analytic", MODEL, HARDWARE)
+    router = "scls" if policy == "scls" else "round_robin"
+    config = SimConfig(
+        policy=policy,
+        router=router,
+        kv_gb=KV_GB,
+        max_model_len=4096,
+        length_source=source if source != "predictor" else "oracle",
+        seed=seed,
+    )
+    return simulate(config, workload, cost_model, table if source == "predictor" else None)
+
+
+def run(num_requests: int, seeds: list[int], parallelism: Parallelism = SERIAL) -> dict[str, Any]:
     cost_model = build_cost_model("analytic", MODEL, HARDWARE)
     tokenizer = str(demo_tokenizer_path())
-    rows: list[dict[str, Any]] = []
     errors: dict[str, dict[str, float]] = {}
     jobs = [(t, s) for t in TRACES for s in seeds]
     runs = [(p, s) for p in POLICIES for s in SOURCES if p not in LENGTH_FREE or s == "oracle"]
-    with tqdm(total=len(jobs) * len(runs), desc="policy x length source", unit="run") as bar:
-        for (trace, rate), seed in jobs:
-            workload = load_trace(trace, num_requests=num_requests, seed=seed, tokenizer_path=tokenizer)
-            workload = apply_arrivals(workload, "poisson", rate=rate, seed=seed)
-            workload = apply_slo_profile("accelgen", workload, cost_model, seed=seed)
-            table = predictor_lengths("predictor", workload, seed=seed, progress=False)
-            assert table.name == "predictor", "these traces carry prompt text: the predictor itself must run"
-            errors.setdefault(trace, prediction_errors(workload, table))
-            for policy, source in runs:
-                router = "scls" if policy == "scls" else "round_robin"
-                config = SimConfig(
-                    policy=policy,
-                    router=router,
-                    kv_gb=KV_GB,
-                    max_model_len=4096,
-                    length_source=source if source != "predictor" else "oracle",
-                    seed=seed,
-                )
-                result = simulate(config, workload, cost_model, table if source == "predictor" else None)
-                rows.append(_row(trace, policy, source, seed, result))
-                bar.update(1)
+    calls, labels = [], []
+    # the predictor runs here, once per trace and seed; the simulations side by side after
+    for (trace, rate), seed in tqdm(jobs, desc="predictions", unit="trace"):
+        workload = load_trace(trace, num_requests=num_requests, seed=seed, tokenizer_path=tokenizer)
+        workload = apply_arrivals(workload, "poisson", rate=rate, seed=seed)
+        workload = apply_slo_profile("accelgen", workload, cost_model, seed=seed)
+        table = predictor_lengths("predictor", workload, seed=seed, progress=False)
+        assert table.name == "predictor", "these traces carry prompt text: the predictor itself must run"
+        errors.setdefault(trace, prediction_errors(workload, table))
+        for policy, source in runs:
+            calls.append((workload, table, policy, source, seed))
+            labels.append((trace, policy, source, seed))
+    results = run_tasks(run_one, calls, parallelism, desc="policy x length source")
+    rows = [_row(*label, result) for label, result in zip(labels, results, strict=True)]
     return {"rows": rows, "prediction_errors": errors, "seeds": seeds, "num_requests": num_requests}
 
 
@@ -178,16 +186,14 @@ def _of(rows: list[dict[str, Any]], trace: str, policy: str, source: str) -> lis
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--num-requests", type=int, default=600)
-    parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--json")
+    add_common_options(parser, seeds=2, parallel=True)
     args = parser.parse_args()
-    res = run(args.num_requests, list(range(args.seeds)))
+    res = run(args.num_requests, seed_list(args), Parallelism.from_args(args))
     print(tables(res))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(res, args.json, indent=1)
     return 0
 
 

@@ -19,10 +19,8 @@ accuracy alone chose `mode_bin`.
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,6 +38,9 @@ from scheduler_service.sim.workloads.base import TraceRequest
 from scheduler_service.sim.workloads.tokens import make_token_counter
 from sluice.common.paths import data_file
 from sluice.common.tokenizer import demo_tokenizer_path
+from sluice_bench.options import Parallelism, add_parallel_options, benchmark_parser
+from sluice_bench.report import write_json
+from sluice_bench.sweep import run_tasks
 
 SHAREGPT = "prompts/sharegpt_v3_conversations.jsonl.gz"
 RULES = ("median", "mode_bin")
@@ -85,11 +86,12 @@ def schedule(wl: Workload, table: dict[str, int] | None, system: str) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--n", type=int, default=600)
     parser.add_argument("--rates", default="2,3")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs/results/data/predictor_point_rule.json")
+    add_parallel_options(parser)
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     samples = select(load_samples(data_file(SHAREGPT)), "test", True, args.n, args.seed)
@@ -98,17 +100,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     predictor = LengthPredictor()
     preds = predictions_by_rule(predictor, texts, models)
     stats = {rule: point_metrics(true, p) for rule, p in preds.items()}
-    outcome: list[dict[str, Any]] = []
     jobs = [(rate, system, rule) for rate in rates for system in SYSTEMS for rule in (*RULES, "true lengths")]
-    for rate, system, rule in tqdm(jobs, desc="schedule"):
+    calls = []
+    for rate, system, rule in jobs:
         wl = trace_of(texts, true, rate, args.seed)
         ids = [r.request_id for r in wl.requests]
         table = None if rule == "true lengths" else {rid: int(p) for rid, p in zip(ids, preds[rule], strict=True)}
-        outcome.append({"rate": rate, "system": system, "lengths": rule, **schedule(wl, table, system)})
+        calls.append((wl, table, system))
+    found = run_tasks(schedule, calls, Parallelism.from_args(args), desc="schedule")
+    outcome = [
+        {"rate": rate, "system": system, "lengths": rule, **m}
+        for (rate, system, rule), m in zip(jobs, found, strict=True)
+    ]
     result = {"n": len(samples), "predictor_version": predictor.version, "statistics": stats, "scheduling": outcome}
     print(json.dumps(result, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(result, args.out, indent=1)
     return result
 
 
