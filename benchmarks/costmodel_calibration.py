@@ -15,7 +15,6 @@ Usage: python benchmarks/costmodel_calibration.py [--plot docs/results/data/cost
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.costmodel.pivot import pivot_forward_size, throughput_curve
 from sluice.contract.profile import BatchShape
+from sluice_bench.options import benchmark_parser
 
 TOKENS = (1, 64, 256, 512, 2048, 4096)
 README_MS = {
@@ -194,7 +194,7 @@ def plot(path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--plot", type=Path, default=Path("docs/results/data/costmodel_calibration.png"))
     args = parser.parse_args()
     non_attention_table()

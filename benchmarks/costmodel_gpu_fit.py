@@ -17,19 +17,15 @@ follow a GPU's step times?), not our worker: that takes a measured profile.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.costmodel.fitted import FittedCostModel
 from sluice.contract.profile import BatchShape, StepSample, WorkerProfile
+from sluice_bench.options import benchmark_parser
 from worker_service.profiler import GPU_GRID
 
 
@@ -108,7 +104,7 @@ def report(profile: WorkerProfile, hardware: str, every: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = benchmark_parser(__doc__)
     p.add_argument("--profile", help="a `sluice profile` JSON")
     p.add_argument("--proxy", choices=("analytic", "profile"), help="price the GPU grid with this model instead")
     p.add_argument("--model", default="llama-3-8b", help="preset (with --proxy)")

@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -35,10 +33,7 @@ from typing import Any
 
 import grpc
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from services.serve import (  # noqa: E402
+from services.serve import (
     DemoOptions,
     DemoRequest,
     ServeConfig,
@@ -47,7 +42,11 @@ from services.serve import (  # noqa: E402
     start_workers,
     stop_workers,
 )
-from sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
+from sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SPLITS = {
     "colocated": {"workers": 2},
@@ -228,7 +227,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--model", default="tiny-llama", help="dummy-weight preset the workers serve")
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--duration-s", type=float, default=8.0, help="the slice's arrivals are compressed into this")
@@ -241,7 +240,7 @@ def main() -> None:
     result = asyncio.run(run(args))
     print(table(result))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, args.json, indent=2, quiet=True)
     if not result["identical"]:
         raise SystemExit("the token streams of the two runs differ")
 

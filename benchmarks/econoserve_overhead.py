@@ -10,7 +10,6 @@ measurement; the waiting queue is topped up to 10,000 after every step.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import time
 
@@ -25,6 +24,7 @@ from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.workloads import load_trace
 from sluice.contract.plan import StepResult
 from sluice.contract.sampling import SamplingParams
+from sluice_bench.options import benchmark_parser
 
 POLICIES = ["vllm", "econoserve:variant=D", "econoserve:variant=SD", "econoserve:variant=SDO", "econoserve"]
 RUNNING = 256
@@ -105,7 +105,7 @@ def measure(policy: str, steps: int, prompts: list[int], outputs: list[int]) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--steps", type=int, default=400)
     args = parser.parse_args()
     wl = load_trace("sharegpt", num_requests=12_000, seed=0)

@@ -51,6 +51,8 @@ from sluice_bench.fault_harness import (  # noqa: E402
     scenario_sigkill_under_load,
     stack,
 )
+from sluice_bench.options import benchmark_parser  # noqa: E402
+from sluice_bench.report import write_json  # noqa: E402
 
 
 async def fuzzing(examples: int, seed: int) -> dict[str, Any]:
@@ -157,7 +159,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchmark_parser(__doc__)
     p.add_argument(
         "--idle-s", type=float, default=75.0, help="idle time with production keepalive (the outage came at ~60 s)"
     )
@@ -175,7 +177,7 @@ def main() -> int:
     args = p.parse_args()
     results = asyncio.run(run(args))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        write_json(results, args.json, indent=2, quiet=True)
         print(f"wrote {args.json}")
     return 0
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ from services.bench import BenchRequest, RequestRecord, prepare_requests, run_re
 from sluice.common.client import SluiceClient
 from sluice.contract.profile import BatchShape
 from sluice_bench.live import ROOT, spawn_worker
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
 
 BLOCK_SIZE = 16
 
@@ -271,7 +272,7 @@ async def main_async(args: argparse.Namespace, profile: Path) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = benchmark_parser(__doc__)
     p.add_argument("--profile", help="an existing `sluice profile` JSON of --model on this machine")
     p.add_argument("--model", default="tiny-llama", help="dummy preset the workers run")
     p.add_argument("--device", default="cpu")
@@ -312,7 +313,7 @@ def main() -> int:
     text = report(result, args)
     print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({**result, "args": vars(args)}, indent=1))
+        write_json({**result, "args": vars(args)}, args.json, indent=1, quiet=True)
     if args.markdown:
         with open(args.markdown, "a") as f:
             f.write(text + "\n")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import statistics
@@ -46,6 +45,8 @@ from services.bench import _send as send_grpc
 from services.bench_openai import OpenAIBench
 from sluice.common.client import SluiceClient
 from sluice_bench.live import WorkerProcess, spawn_service, spawn_worker
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
 
 BACKENDS = ("grpc", "http")
 CPU_NAMES = ("client", "gateway", "scheduler", "worker")
@@ -330,7 +331,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = benchmark_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--scenarios", nargs="+", default=["paired", "demo", "saturation"])
     p.add_argument("--pairs", type=int, default=60, help="paired: requests per path and round")
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             "summary": result,
             "rounds": rows,
         }
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        write_json(doc, args.json, indent=2, quiet=True)
         print(f"wrote {args.json}")
     return 0
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import subprocess
@@ -42,9 +41,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from sluice.contract.plan import CachedRequestData, KVMove, KVMoveKind
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
 from worker_service.engine import EngineConfig, LLMEngine
 from worker_service.profiler import PlanDriver
 
@@ -615,7 +614,7 @@ def parse_points(text: str) -> list[tuple[int, ...]]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = benchmark_parser(__doc__)
     p.add_argument("--out", default=os.environ.get("OUT", "gpu-suite-out"))
     p.add_argument("--phases", default="env,roofline,tests,kernels,decode,prefill,swap,breakdown,throughput,profile")
     p.add_argument("--model", default="llama-3-8b")
@@ -671,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             results[phase] = {"error": traceback.format_exc()}
             print(results[phase]["error"], flush=True)
         results.setdefault("seconds", {})[phase] = time.perf_counter() - start
-        (Path(args.out) / "suite.json").write_text(json.dumps(results, indent=1, default=str))
+        write_json(results, Path(args.out) / "suite.json", indent=1, quiet=True)
     print(summary(results), flush=True)
     return 0
 

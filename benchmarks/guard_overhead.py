@@ -24,6 +24,7 @@ from sluice.contract.plan import CachedRequestData, NewRequestData, StepPlan
 from sluice.contract.plan_codec import PlanSender
 from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
+from sluice_bench.options import benchmark_parser
 from worker_service.echo_engine import EchoEngine
 from worker_service.engine import EngineConfig
 from worker_service.server import EngineRunner, WarmupDefaults, WorkerServicer, build_server
@@ -104,7 +105,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--sizes", default="1,64,256")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import subprocess
 import sys
@@ -29,11 +28,11 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from sluice.common.grpc_server import KEEPALIVE
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from sluice_bench.live import spawn_worker
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
 
 LOOPBACK_METHOD = "/sluice.bench.Loopback/Read"
 
@@ -200,7 +199,7 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--model", default="opt-125m", help="dummy preset the two workers serve")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of KV per transfer")
     parser.add_argument("--repeats", type=int, default=10)
@@ -222,7 +221,7 @@ def main() -> None:
     result = asyncio.run(run(args))
     print(table(result))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, args.json, indent=2, quiet=True)
 
 
 if __name__ == "__main__":

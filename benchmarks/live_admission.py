@@ -29,6 +29,7 @@ from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
 from scheduler_service.server import SchedulerServer
 from sluice_bench.live import ROOT, spawn_worker
+from sluice_bench.options import benchmark_parser
 
 
 async def one_run(addresses: list[str], concurrency: int, args: argparse.Namespace, out: Path) -> dict:
@@ -104,7 +105,7 @@ async def main_async(args: argparse.Namespace) -> list[str]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = benchmark_parser(__doc__)
     p.add_argument("--workers", default="1,2", help="numbers of echo workers to try")
     p.add_argument("--concurrency", default="32,128", help="client streams in flight")
     p.add_argument("--num-requests", type=int, default=600)

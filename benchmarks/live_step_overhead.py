@@ -66,6 +66,7 @@ from sluice.contract.plan_codec import plan_to_proto
 from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2
 from sluice_bench.live import spawn_worker
+from sluice_bench.options import benchmark_parser
 
 GPU_STEP_S = 0.020
 TARGET_SHARE = 0.05
@@ -386,7 +387,7 @@ def modes_summary(results: list[ModeResult]) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = benchmark_parser(__doc__)
     p.add_argument("--sizes", default="1,4,16,64,128,256")
     p.add_argument("--steps", type=int, default=100, help="measured decode steps per size")
     p.add_argument("--warmup", type=int, default=10)

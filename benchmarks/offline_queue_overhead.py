@@ -22,7 +22,6 @@ their median; `--rounds` repeats everything.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -33,6 +32,8 @@ from scheduler_service.core.slo import SLOClass, SLOSpec
 from scheduler_service.costmodel.factory import build_cost_model
 from sluice.contract.plan import StepResult
 from sluice.contract.sampling import SamplingParams
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
 
 ONLINE = SLOSpec(ttft_s=1.0, tbt_s=0.2, slo_class=SLOClass.ONLINE)
 OFFLINE = SLOSpec(slo_class=SLOClass.OFFLINE)
@@ -79,7 +80,7 @@ def drive(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchmark_parser(__doc__)
     p.add_argument("--policy", default="vllm_chunked")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--arrivals", type=int, default=4, help="online requests submitted per step")
@@ -124,8 +125,7 @@ def main() -> None:
     }
     print(json.dumps(figures, indent=2))
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(json.dumps(figures, indent=2) + "\n")
+        write_json(figures, args.json, indent=2, quiet=True)
 
 
 if __name__ == "__main__":

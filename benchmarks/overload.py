@@ -44,7 +44,6 @@ import statistics
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -53,6 +52,8 @@ from tqdm import tqdm
 from scheduler_service.core.admission import StepSpeed
 from sluice.v1 import common_pb2, generation_pb2
 from sluice_bench.fault_harness import spawn_worker_process, stack
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
 
 
 @dataclass(frozen=True)
@@ -393,7 +394,7 @@ def plot(figures: dict[str, Any], path: str) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchmark_parser(__doc__)
     p.add_argument("--step-ms", type=float, default=10.0, help="emulated step time, fixed part")
     p.add_argument("--token-ms", type=float, default=2.0, help="emulated step time per scheduled token")
     p.add_argument("--ttft-ms", type=float, default=1000.0)
@@ -416,7 +417,7 @@ def main() -> int:
         plot(figures, args.plot)
         print(f"wrote {args.plot}")
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+        write_json(figures, args.json, indent=2, quiet=True)
         print(f"wrote {args.json}")
     return 0
 

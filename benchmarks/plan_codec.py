@@ -12,13 +12,13 @@ Encode = `plan_to_proto(...).SerializeToString()`, decode = `plan_from_proto(Fro
 
 from __future__ import annotations
 
-import argparse
 import timeit
 from collections.abc import Callable
 
 from sluice.contract.plan import CachedRequestData, StepPlan, StepResult
 from sluice.contract.plan_codec import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto, step_order
 from sluice.v1 import worker_pb2
+from sluice_bench.options import benchmark_parser
 
 BLOCK_SIZE = 16
 
@@ -42,7 +42,7 @@ def per_call_ms(fn: Callable[[], object]) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = benchmark_parser(__doc__)
     p.add_argument("--num-seqs", type=int, default=256)
     args = p.parse_args()
     plan, result = decode_step(args.num_seqs)

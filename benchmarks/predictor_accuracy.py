@@ -25,7 +25,6 @@ prediction latency 3.92 / 4.74 / 4.49 ms. Targets here: held-out ShareGPT bucket
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -42,6 +41,8 @@ from predictor_service.evaluate import batch_predictions, evaluate, select
 from predictor_service.predictor import LengthPredictor
 from sluice.common.paths import data_file
 from sluice.contract.lengths import bucket_accuracy, length_bucket
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
 
 SHAREGPT = "prompts/sharegpt_v3_conversations.jsonl.gz"
 ALPACA = "prompts/alpaca_eval_outputs_32models.jsonl.gz"
@@ -186,7 +187,7 @@ def interleaved_latency(predictors: dict[str, LengthPredictor], samples: list[An
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = benchmark_parser(__doc__)
     p.add_argument("--model", default=str(artefacts.default_model_dir()))
     p.add_argument("--json", default="docs/results/data/predictor_accuracy.json")
     p.add_argument("--plot", default="docs/results/data/predictor_accuracy.png")
@@ -247,7 +248,7 @@ def main() -> None:
         predictor.predict([samples[0].prompt], samples[0].model)
         result[f"breakdown_ms/{precision}"] = breakdown(predictor, [s.prompt for s in samples], samples[0].model)
         print(f"breakdown {precision}:", result[f"breakdown_ms/{precision}"], flush=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(result, args.json, indent=2, quiet=True)
     print(f"wrote {args.json}")
     if args.plot:
         plot(trained, result["bin_width"], args.plot)

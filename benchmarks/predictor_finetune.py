@@ -29,12 +29,10 @@ rank > 0 and 1 for rank 0 on the shared 2 cores (progress bars show it).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,6 +46,8 @@ from predictor_service.head import QUANTILE_LEVELS, build_head, head_loss
 from predictor_service.train import model_vocabulary
 from sluice.common.paths import data_file
 from sluice.contract.lengths import length_bucket
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
 
 SOURCES = ("prompts/sharegpt_v3_conversations.jsonl.gz", "prompts/alpaca_eval_outputs_32models.jsonl.gz")
 LAYERS = 2  # the served encoder's depth
@@ -189,7 +189,7 @@ def run(rank: int, parts: dict[str, list[Sample]], args: argparse.Namespace) -> 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--ranks", default="0,16", help="adapter ranks to train, comma-separated (0: frozen encoder)")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch", type=int, default=32, help="unique prompts per batch")
@@ -221,7 +221,7 @@ def main() -> int:
             "runs": runs,
             "load_average": list(os.getloadavg()),
         }
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_json(out, args.json, indent=2, quiet=True)
     return 0
 
 

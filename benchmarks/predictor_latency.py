@@ -16,8 +16,6 @@ drifts, so side by side is the only fair comparison), two rounds.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import tempfile
 import time
@@ -35,6 +33,8 @@ from predictor_service.evaluate import select
 from predictor_service.export import export_encoder
 from predictor_service.predictor import LengthPredictor
 from sluice.common.paths import data_file
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
 
 SHAREGPT = "prompts/sharegpt_v3_conversations.jsonl.gz"
 
@@ -65,7 +65,7 @@ def interleaved(calls: dict[str, Callable[[str], Any]], prompts: list[str], roun
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = benchmark_parser(__doc__)
     p.add_argument("--model", default=str(artefacts.default_model_dir()))
     p.add_argument("--json", default="docs/results/data/predictor_latency.json")
     p.add_argument("--prompts", type=int, default=300)
@@ -107,7 +107,7 @@ def main() -> None:
             f"cpu p50 {r['cpu_p50_ms']:.2f} ms p99 {r['cpu_p99_ms']:.2f} ms"
         )
     print("load average", result["load_average_before"], result["load_average_after"])
-    Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(result, args.json, indent=2, quiet=True)
     print(f"wrote {args.json}")
 
 

@@ -24,10 +24,8 @@ samples shown as "unknown model"), early-stopped on val. Takes about 25 minutes 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +34,8 @@ from predictor_service.data import OutputTokenCounter, Sample, load_samples, spl
 from predictor_service.encoder import PromptTokenizer, load_pooled_encoder, size_features
 from sluice.common.paths import data_file
 from sluice.contract.lengths import bucket_accuracy, length_bucket
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
 
 SOURCES = ("prompts/sharegpt_v3_conversations.jsonl.gz", "prompts/alpaca_eval_outputs_32models.jsonl.gz")
 NB = 10
@@ -179,7 +179,7 @@ def neighbour_agreement(emb: np.ndarray, row: dict[str, int], parts: dict[str, l
 def main() -> None:
     import torch
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = benchmark_parser(__doc__)
     p.add_argument("--json", default="docs/results/data/predictor_layers.json")
     p.add_argument("--layers", default="0,1,2,3,6")
     args = p.parse_args()
@@ -234,7 +234,7 @@ def main() -> None:
             print(layer, name, json.dumps(line), flush=True)
         per["seconds"] = time.perf_counter() - t0
         result["layers"][str(layer)] = per
-    Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(result, args.json, indent=2, quiet=True)
     print(f"wrote {args.json}")
 
 

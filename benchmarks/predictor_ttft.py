@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -58,6 +57,8 @@ from services.serve import (
     stop_workers,
 )
 from sluice.common.predictor_client import PredictorClient
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
 
 MODES = ("without", "uncached", "cached")
 # NOTE: `unlinked` (--unlinked) separates the predictor's own cost from the scheduler's use of its
@@ -273,7 +274,7 @@ def pooled(rounds: list[dict[str, Any]], resamples: int = 2000) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--json")
@@ -303,8 +304,7 @@ def main() -> int:
     res = asyncio.run(main_async(args))
     print(report(res))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(res, args.json, indent=1, quiet=True)
     return 0
 
 

@@ -8,7 +8,6 @@ and the DP batcher alone on 2,000 requests. Request lengths come from the shareg
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
@@ -20,6 +19,7 @@ from scheduler_service.policies.scls.estimator import MemoryEstimator, ServingTi
 from scheduler_service.routers import RouterContext, WorkerLoad, build_router
 from scheduler_service.sim.workloads import load_trace
 from sluice.contract.sampling import SamplingParams
+from sluice_bench.options import benchmark_parser
 
 BLOCK = 16
 
@@ -50,7 +50,7 @@ def worker_loads(num_workers: int, num_blocks: int, rng: np.random.Generator) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--workers", type=int, default=64)
     parser.add_argument("--pending", type=int, default=10_000)
     parser.add_argument("--dp-requests", type=int, default=2_000)

@@ -18,7 +18,6 @@ never the whole queue. Policies are measured in turn; `--rounds` repeats the who
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -36,6 +35,7 @@ from scheduler_service.sim.workloads import TraceRequest, load_trace
 from scheduler_service.sim.workloads.base import Workload
 from sluice.contract.plan import StepResult
 from sluice.contract.sampling import SamplingParams
+from sluice_bench.options import benchmark_parser
 
 POLICIES = [
     "vllm_chunked",
@@ -133,7 +133,7 @@ def workload_of(size: int, cost_model: CostModel) -> list[TraceRequest]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--policy", action="append", help="policy spec; repeat (default: every policy)")
     parser.add_argument("--sizes", default="256:10000", help="running:waiting shapes, comma-separated")

@@ -19,7 +19,6 @@ inflate by whole multiples). Printed per policy: the median time per variant, re
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -30,6 +29,9 @@ from io import BytesIO
 from pathlib import Path
 
 from tqdm import tqdm
+
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = [
@@ -91,7 +93,7 @@ def run_one(tree: Path, policy: str, n: int, rate: float, caching: bool) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--num-requests", type=int, default=10_000)
     parser.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals, requests/s")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions (median reported)")
@@ -118,7 +120,7 @@ def main() -> None:
                     runs[v].append(run_one(trees[v[0]], v[1], args.num_requests, args.rate, v[2]))
                     bar.update(1)
     if args.json:
-        args.json.write_text(json.dumps({"|".join(map(str, k)): r for k, r in runs.items()}, indent=1))
+        write_json({"|".join(map(str, k)): r for k, r in runs.items()}, args.json, indent=1, quiet=True)
     wall = {k: statistics.median(r[args.clock] for r in rs) for k, rs in runs.items()}
     print(f"{args.num_requests} sharegpt requests, {args.rounds} round(s), median {args.clock} s")
     head = f"{'policy':<13} {'on s':>7} {'off s':>7} {'req/s':>7} {'APC cost':>9}"

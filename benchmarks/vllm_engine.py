@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"sluice scheduler listening on ([\d.]+):(\d+)")
 BLOCK = 32
@@ -242,7 +245,7 @@ def run_policies(args: argparse.Namespace, offline_jobs: list[Job], online_jobs:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchmark_parser(__doc__)
     p.add_argument("--model", default="tiny-llama", help="a preset of ours (dummy weights) or a local HF directory")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-requests", type=int, default=64)
@@ -268,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.policies:
         rows = run_policies(args, offline_jobs, online_jobs)
         if args.json:
-            Path(args.json).write_text(json.dumps({"args": vars(args), "policies": rows}, indent=2))
+            write_json({"args": vars(args), "policies": rows}, args.json, indent=2, quiet=True)
         return 0
     names = args.engines.split(",")
     compile_model = not args.no_compile
@@ -310,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runner.stop()
     report(results, names)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rounds": results}, indent=2))
+        write_json({"args": vars(args), "rounds": results}, args.json, indent=2, quiet=True)
     return 0
 
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sluice_bench.options import benchmark_parser
+from sluice_bench.report import write_json
 from sluice_bench.vllm_plugin_harness import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +129,7 @@ def cmd_overhead(args: argparse.Namespace) -> int:
             f"{max(p99):.2f})"
         )
     if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_json(out, args.out, indent=1, quiet=True)
     return 0
 
 
@@ -344,7 +346,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         def save() -> None:
             if args.out:
-                Path(args.out).write_text(json.dumps(results, indent=1))
+                write_json(results, args.out, indent=1, quiet=True)
 
         rate = loads[len(loads) // 2]
         pairs = []
@@ -395,7 +397,7 @@ def report(results: dict[str, Any]) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchmark_parser(__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     o = sub.add_parser("overhead")
     o.add_argument("--running", type=int, default=256)

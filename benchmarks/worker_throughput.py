@@ -49,6 +49,7 @@ from sluice.contract.plan import CachedRequestData, NewRequestData, StepPlan, St
 from sluice.contract.plan_codec import plan_to_proto, result_from_proto
 from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
+from sluice_bench.options import benchmark_parser
 from worker_service.engine import EngineConfig, LLMEngine
 from worker_service.model.dummy import PRESETS
 from worker_service.server import build_server
@@ -337,7 +338,7 @@ def markdown(rows: list[tuple[str, ...]], notes: list[str]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = benchmark_parser(__doc__)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--scale", type=int, default=4, help="divide the trace's lengths by this")
     p.add_argument("--max-prompt", type=int, default=512)
