@@ -32,7 +32,7 @@ from sluice.common.grpc_server import KEEPALIVE
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from sluice_bench.live import spawn_worker
 from sluice_bench.options import benchmark_parser
-from sluice_bench.report import write_json
+from sluice_bench.report import format_table, write_json
 
 LOOPBACK_METHOD = "/sluice.bench.Loopback/Read"
 
@@ -181,21 +181,28 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = [
+    head = (
         f"{result['model']} ({result['dtype']}), {result['tokens']} tokens = {result['num_blocks']} blocks of "
-        f"{result['bytes_per_block'] / 1024:.0f} KiB, median of {result['repeats']}",
-        "",
-        "| chunk | int8 | KV MiB | wire MiB | transfer ms (offer + pull) | loopback ms | transfer GB/s | loopback GB/s "
-        "| transfer / loopback |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"{result['bytes_per_block'] / 1024:.0f} KiB, median of {result['repeats']}"
+    )
+    rows = [
+        {
+            "chunk": f"{r['chunk_bytes'] / 2**20:.2f} MiB",
+            "int8": "yes" if r["int8"] else "no",
+            "KV MiB": r["kv_bytes"] / 2**20,
+            "wire MiB": r["wire_bytes"] / 2**20,
+            "transfer ms (offer + pull)": r["kv_wall_s_median"] * 1e3,
+            "loopback ms": r["loopback_s_median"] * 1e3,
+            "transfer GB/s": r["kv_GBps"],
+            "loopback GB/s": r["loopback_GBps"],
+            "transfer / loopback": r["ratio"],
+        }
+        for r in result["rows"]
     ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['chunk_bytes'] / 2**20:.2f} MiB | {'yes' if r['int8'] else 'no'} | {r['kv_bytes'] / 2**20:.1f} "
-            f"| {r['wire_bytes'] / 2**20:.1f} | {r['kv_wall_s_median'] * 1e3:.1f} | {r['loopback_s_median'] * 1e3:.1f} "
-            f"| {r['kv_GBps']:.2f} | {r['loopback_GBps']:.2f} | {r['ratio']:.0%} |"
-        )
-    return "\n".join(lines)
+    one = "{:.1f}"
+    formats = {"KV MiB": one, "wire MiB": one, "transfer ms (offer + pull)": one, "loopback ms": one}
+    formats |= {"transfer GB/s": "{:.2f}", "loopback GB/s": "{:.2f}", "transfer / loopback": "{:.0%}"}
+    return head + "\n\n" + format_table(rows, formats=formats)
 
 
 def main() -> None:

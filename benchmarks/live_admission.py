@@ -24,12 +24,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
 from scheduler_service.server import SchedulerServer
 from sluice_bench.live import ROOT, spawn_worker
-from sluice_bench.options import benchmark_parser
+from sluice_bench.options import add_common_options, benchmark_parser
+from sluice_bench.report import format_table, write_json
 
 
 async def one_run(addresses: list[str], concurrency: int, args: argparse.Namespace, out: Path) -> dict:
@@ -77,16 +79,35 @@ async def one_run(addresses: list[str], concurrency: int, args: argparse.Namespa
     return {"run": run, "sched_overhead_ms": sched, "wall_s": wall}
 
 
-def format_row(workers: int, concurrency: int, r: dict) -> str:
+COLUMNS = {  # column -> format
+    "workers": "{}",
+    "concurrency": "{}",
+    "finished": "{}",
+    "req/s": "{:.0f}",
+    "output tok/s": "{:.0f}",
+    "TTFT p50 ms": "{:.1f}",
+    "TTFT p99 ms": "{:.1f}",
+    "JCT p50 ms": "{:.1f}",
+    "schedule() ms/step": "{:.3f}",
+}
+
+
+def table_row(workers: int, concurrency: int, r: dict) -> dict[str, Any]:
     m = r["run"]["metrics"]
-    return (
-        f"| {workers} | {concurrency} | {m['num_finished']}/{m['num_requests']} | {m['throughput_req_s']:.0f} "
-        f"| {m['throughput_tok_s']:.0f} | {m['ttft_s']['p50'] * 1e3:.1f} | {m['ttft_s']['p99'] * 1e3:.1f} "
-        f"| {m['jct_s']['p50'] * 1e3:.1f} | {r['sched_overhead_ms']['mean']:.3f} |"
-    )
+    return {
+        "workers": workers,
+        "concurrency": concurrency,
+        "finished": f"{m['num_finished']}/{m['num_requests']}",
+        "req/s": m["throughput_req_s"],
+        "output tok/s": m["throughput_tok_s"],
+        "TTFT p50 ms": m["ttft_s"]["p50"] * 1e3,
+        "TTFT p99 ms": m["ttft_s"]["p99"] * 1e3,
+        "JCT p50 ms": m["jct_s"]["p50"] * 1e3,
+        "schedule() ms/step": r["sched_overhead_ms"]["mean"],
+    }
 
 
-async def main_async(args: argparse.Namespace) -> list[str]:
+async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for num_workers in [int(w) for w in args.workers.split(",")]:
@@ -96,8 +117,8 @@ async def main_async(args: argparse.Namespace) -> list[str]:
                 for concurrency in [int(c) for c in args.concurrency.split(",")]:
                     out = Path(tmp) / f"bench-{num_workers}-{concurrency}.json"
                     result = await one_run(addresses, concurrency, args, out)
-                    rows.append(format_row(num_workers, concurrency, result))
-                    print(rows[-1], flush=True)
+                    rows.append(table_row(num_workers, concurrency, result))
+                    print(format_table(rows[-1:], list(COLUMNS), formats=COLUMNS).splitlines()[-1], flush=True)
             finally:
                 for w in workers:
                     w.stop()
@@ -114,15 +135,15 @@ def main() -> int:
     p.add_argument("--policy", default="vllm")
     p.add_argument("--num-gpu-blocks", type=int, default=16384)
     p.add_argument("--markdown", help="also write the table here")
+    add_common_options(p)
     args = p.parse_args()
-    head = (
-        "| workers | concurrency | finished | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | JCT p50 ms "
-        "| schedule() ms/step |\n|---|---|---|---|---|---|---|---|---|"
-    )
-    print(head, flush=True)
     rows = asyncio.run(main_async(args))
+    table = format_table(rows, list(COLUMNS), formats=COLUMNS)
+    print(table, flush=True)
     if args.markdown:
-        Path(args.markdown).write_text(head + "\n" + "\n".join(rows) + "\n")
+        Path(args.markdown).write_text(table + "\n")
+    if args.json:
+        write_json(rows, args.json, quiet=True)
     return 0
 
 

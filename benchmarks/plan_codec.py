@@ -19,6 +19,7 @@ from sluice.contract.plan import CachedRequestData, StepPlan, StepResult
 from sluice.contract.plan_codec import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto, step_order
 from sluice.v1 import worker_pb2
 from sluice_bench.options import benchmark_parser
+from sluice_bench.report import print_table
 
 BLOCK_SIZE = 16
 
@@ -47,9 +48,8 @@ def main() -> None:
     args = p.parse_args()
     plan, result = decode_step(args.num_seqs)
     ids, order = list(plan.num_scheduled_tokens), step_order(plan)
-    head = "| plan bytes | encode ms | decode ms | result bytes | encode ms | decode ms |"
-    print(f"| form ({args.num_seqs} decodes) {head}")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    form = f"form ({args.num_seqs} decodes)"
+    rows = []
     for label, same in (("full (ids listed both ways)", False), ("repeated ids, step-ordered tokens", True)):
         sent = plan_to_proto(plan, same_scheduled_ids=same).SerializeToString()
         answer_order = order if same else None
@@ -62,10 +62,20 @@ def main() -> None:
             per_call_ms(lambda o=answer_order: result_to_proto(result, o).SerializeToString()),
             per_call_ms(lambda b=answer: result_from_proto(worker_pb2.ExecuteResponse.FromString(b), plan)),
         )
-        print(
-            f"| {label} | {len(sent):,} | {cells[0]:.3f} | {cells[1]:.3f} | {len(answer):,} "
-            f"| {cells[2]:.3f} | {cells[3]:.3f} |"
+        rows.append(
+            {
+                form: label,
+                "plan bytes": len(sent),
+                "plan encode ms": cells[0],
+                "plan decode ms": cells[1],
+                "result bytes": len(answer),
+                "result encode ms": cells[2],
+                "result decode ms": cells[3],
+            }
         )
+    ms = "{:.3f}"
+    formats = {"plan bytes": "{:,}", "result bytes": "{:,}", **{k: ms for k in rows[0] if k.endswith(" ms")}}
+    print_table(rows, formats=formats)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from scheduler_service.routers import RouterContext, WorkerLoad, build_router
 from scheduler_service.sim.workloads import load_trace
 from sluice.contract.sampling import SamplingParams
 from sluice_bench.options import benchmark_parser
+from sluice_bench.report import print_table
 
 BLOCK = 16
 
@@ -62,15 +63,14 @@ def main() -> None:
     loads = worker_loads(args.workers, num_blocks, rng)
     reqs = requests(args.pending)
     print(f"{args.workers} workers, {args.pending} pending requests, {num_blocks} KV blocks per worker\n")
-    print("| router | total ms | us per decision |")
-    print("|---|---:|---:|")
+    rows = []
     for name in ("round_robin", "least_work", "max_min", "kv_aware"):
         router = build_router(name, ctx)
         t0 = time.perf_counter()
         for r in reqs:
             router.select(r, loads, 0.0)
         dt = time.perf_counter() - t0
-        print(f"| {name} | {dt * 1e3:.1f} | {dt / len(reqs) * 1e6:.2f} |")
+        rows.append({"router": name, "total ms": dt * 1e3, "us per decision": dt / len(reqs) * 1e6})
     router = build_router("scls", ctx)
     for r in reqs:
         router.select(r, loads, 0.0)
@@ -78,7 +78,9 @@ def main() -> None:
     t0 = time.perf_counter()
     placed = router.release(loads, router.next_release(0.0) or 0.0)
     dt = time.perf_counter() - t0
-    print(f"| scls (one release of the pool: DP + max-min) | {dt * 1e3:.1f} | {dt / len(placed) * 1e6:.2f} |")
+    scls = "scls (one release of the pool: DP + max-min)"
+    rows.append({"router": scls, "total ms": dt * 1e3, "us per decision": dt / len(placed) * 1e6})
+    print_table(rows, formats={"total ms": "{:.1f}", "us per decision": "{:.2f}"})
     est = ServingTimeEstimator.fit_from_cost_model(cm)
     mem = MemoryEstimator(num_blocks * BLOCK, BLOCK)
     lengths = [r.num_tokens for r in reqs[: args.dp_requests]]

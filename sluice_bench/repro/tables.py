@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice_bench.report import fmt
+from sluice_bench.report import fmt, plot_lines
 from sluice_bench.repro.runs import _band, _mean
 
 
@@ -168,29 +168,18 @@ def counter_table(res: dict[str, Any]) -> str:
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = res["metrics"]
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.8))
-    for ax, key in zip(np.atleast_1d(axes), keys, strict=True):
+    """One panel per metric of the claim against the rate: each system's mean over seeds, its
+    min-max band shaded; the systems marked "ours" dashed."""
+    panels: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    bands: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for key in res["metrics"]:
+        panels[key], bands[key] = {}, {}
         for s in res["systems"]:
-            pts = []
-            for rate in sorted({r["rate"] for r in res["rows"] if r["system"] == s["label"]}):
-                rows = [r for r in res["rows"] if r["system"] == s["label"] and r["rate"] == rate]
-                pts.append((rate, *_band(rows, key)))
-            if not pts:
-                continue
-            x, mean, lo, hi = (np.array(v) for v in zip(*pts, strict=True))
-            ax.plot(x, mean, marker="o", ls="--" if s["ours"] else "-", label=s["label"])
-            ax.fill_between(x, lo, hi, alpha=0.2)
-        ax.set_xlabel("arrival rate (req/s)")
-        ax.set_ylabel(key)
-        ax.grid(alpha=0.3)
-    np.atleast_1d(axes)[0].legend(fontsize=8)
-    fig.suptitle(res["title"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+            rates = sorted({r["rate"] for r in res["rows"] if r["system"] == s["label"]})
+            points = [
+                _band([r for r in res["rows"] if r["system"] == s["label"] and r["rate"] == x], key) for x in rates
+            ]
+            panels[key][s["label"]] = [(x, mean) for x, (mean, _, _) in zip(rates, points, strict=True)]
+            bands[key][s["label"]] = [(lo, hi) for _, lo, hi in points]
+    dashed = [s["label"] for s in res["systems"] if s["ours"]]
+    plot_lines(panels, path, xlabel="arrival rate (req/s)", title=res["title"], bands=bands, dashed=dashed)
