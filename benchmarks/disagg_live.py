@@ -44,7 +44,7 @@ from services.serve import (
 )
 from sluice.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from sluice_bench.options import benchmark_parser
-from sluice_bench.report import write_json
+from sluice_bench.report import format_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,29 +175,38 @@ def table(result: dict[str, Any]) -> str:
         f"{result['repeats']} runs of each, alternating; load average {load[0]:.1f} before, {load[1]:.1f} after; "
         f"tokens identical in every run: {'yes' if result['identical'] else 'NO'}",
         "",
-        "| run | workers | wall s | tok/s | TTFT p50 / p90 ms | TBT p50 / p90 / p99 ms | first gap p50 / p90 ms "
-        "| later TBT p50 / p90 / p99 ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for run in [*runs, *result["medians"]]:
-        workers = "2 mixed" if run["split"].startswith("colocated") else "1 prefill + 1 decode"
-        lines.append(
-            f"| {run['split']} | {workers} | {run['wall_s']:.2f} | {run['throughput_tok_s']:.0f} "
-            f"| {ms(run, 'ttft_s_p50', 'ttft_s_p90')} | {ms(run, 'tbt_s_p50', 'tbt_s_p90', 'tbt_s_p99')} "
-            f"| {ms(run, 'first_gap_s_p50', 'first_gap_s_p90')} "
-            f"| {ms(run, 'later_tbt_s_p50', 'later_tbt_s_p90', 'later_tbt_s_p99')} |"
+        rows.append(
+            {
+                "run": run["split"],
+                "workers": "2 mixed" if run["split"].startswith("colocated") else "1 prefill + 1 decode",
+                "wall s": run["wall_s"],
+                "tok/s": run["throughput_tok_s"],
+                "TTFT p50 / p90 ms": ms(run, "ttft_s_p50", "ttft_s_p90"),
+                "TBT p50 / p90 / p99 ms": ms(run, "tbt_s_p50", "tbt_s_p90", "tbt_s_p99"),
+                "first gap p50 / p90 ms": ms(run, "first_gap_s_p50", "first_gap_s_p90"),
+                "later TBT p50 / p90 / p99 ms": ms(run, "later_tbt_s_p50", "later_tbt_s_p90", "later_tbt_s_p99"),
+            }
         )
+    lines += [format_table(rows, formats={"wall s": "{:.2f}", "tok/s": "{:.0f}"}), ""]
     s = result["transfer"]
-    lines += [
-        "",
-        "| transfers | succeeded | recomputed | per request ms p50 / p90 (issue to answer) | of which: waiting for "
-        "the decode worker's releases p50 | OfferKv p50 | PullKv p50 | KiB p50 | PullKv MB/s median |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {s['transfers']} | {s['succeeded']} | {s['recomputed']} "
-        f"| {s['total_ms_p50']:.1f} / {s['total_ms_p90']:.1f} "
-        f"| {s['wait_ms_p50']:.1f} | {s['offer_ms_p50']:.1f} | {s['pull_ms_p50']:.1f} | {s['kib_p50']:.0f} "
-        f"| {s['MBps_median']:.0f} |",
-    ]
+    one = "{:.1f}"
+    transfers = {
+        "transfers": s["transfers"],
+        "succeeded": s["succeeded"],
+        "recomputed": s["recomputed"],
+        "per request ms p50 / p90 (issue to answer)": f"{s['total_ms_p50']:.1f} / {s['total_ms_p90']:.1f}",
+        "of which: waiting for the decode worker's releases p50": s["wait_ms_p50"],
+        "OfferKv p50": s["offer_ms_p50"],
+        "PullKv p50": s["pull_ms_p50"],
+        "KiB p50": s["kib_p50"],
+        "PullKv MB/s median": s["MBps_median"],
+    }
+    formats = {"of which: waiting for the decode worker's releases p50": one, "OfferKv p50": one, "PullKv p50": one}
+    formats |= {"KiB p50": "{:.0f}", "PullKv MB/s median": "{:.0f}"}
+    lines.append(format_table([transfers], formats=formats))
     return "\n".join(lines)
 
 

@@ -58,7 +58,7 @@ from services.serve import (
 )
 from sluice.common.predictor_client import PredictorClient
 from sluice_bench.options import benchmark_parser
-from sluice_bench.report import write_json
+from sluice_bench.report import format_table, write_json
 
 MODES = ("without", "uncached", "cached")
 # NOTE: `unlinked` (--unlinked) separates the predictor's own cost from the scheduler's use of its
@@ -218,12 +218,7 @@ def modes_of(rounds: list[dict[str, Any]]) -> list[str]:
 
 
 def report_rounds(rounds: list[dict[str, Any]], n: int) -> str:
-    lines = [
-        "| mode | TTFT p50 ms (median of rounds) | TTFT mean ms | paired p50 ratio vs without (median) | "
-        "answers applied (unlinked: answered) per round | predictor CPU s per round | "
-        "scheduler process CPU s per round |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     added = {}
     for mode in modes_of(rounds):
         p50 = statistics.median(r[mode]["p50"] for r in rounds)
@@ -233,11 +228,21 @@ def report_rounds(rounds: list[dict[str, Any]], n: int) -> str:
         applied = statistics.median(r[mode]["applied"] for r in rounds)
         cpu = statistics.median(r[mode]["predictor_cpu_s"] for r in rounds)
         own = statistics.median(r[mode].get("scheduler_cpu_s", float("nan")) for r in rounds)
-        lines.append(
-            f"| {mode} | {p50 * 1e3:.1f} | {mean * 1e3:.1f} | {ratio:.3f} | {applied:.0f} of {n} | {cpu:.2f} "
-            f"| {own:.2f} |"
+        rows.append(
+            {
+                "mode": mode,
+                "TTFT p50 ms (median of rounds)": p50 * 1e3,
+                "TTFT mean ms": mean * 1e3,
+                "paired p50 ratio vs without (median)": ratio,
+                "answers applied (unlinked: answered) per round": f"{applied:.0f} of {n}",
+                "predictor CPU s per round": cpu,
+                "scheduler process CPU s per round": own,
+            }
         )
-    lines += ["", pooled(rounds), ""]
+    formats = {"TTFT p50 ms (median of rounds)": "{:.1f}", "TTFT mean ms": "{:.1f}"}
+    formats |= {"paired p50 ratio vs without (median)": "{:.3f}", "predictor CPU s per round": "{:.2f}"}
+    formats |= {"scheduler process CPU s per round": "{:.2f}"}
+    lines = [format_table(rows, formats=formats), "", pooled(rounds), ""]
     if "unlinked" in added:
         lines.append(f"\nTTFT p50 with the predictor busy but unlinked: {added['unlinked']:+.1%} (its work alone)")
     for mode in ("uncached", "cached"):
@@ -258,7 +263,7 @@ def pooled(rounds: list[dict[str, Any]], resamples: int = 2000) -> str:
     def median_of(samples: list[np.ndarray]) -> float:
         return float(np.median(np.concatenate(samples)))
 
-    out = ["| mode | requests | pooled TTFT p50 ms | ratio vs without | 95% interval |", "|---|---:|---:|---:|---|"]
+    rows = []
     base = median_of(by_mode["without"])
     for mode in by_mode:
         ratios = []
@@ -269,8 +274,16 @@ def pooled(rounds: list[dict[str, Any]], resamples: int = 2000) -> str:
         lo, hi = np.percentile(ratios, [2.5, 97.5])
         n = sum(x.size for x in by_mode[mode])
         p50 = median_of(by_mode[mode])
-        out.append(f"| {mode} | {n} | {p50 * 1e3:.1f} | {p50 / base:.3f} | [{lo:.3f}, {hi:.3f}] |")
-    return "\n".join(out)
+        rows.append(
+            {
+                "mode": mode,
+                "requests": n,
+                "pooled TTFT p50 ms": p50 * 1e3,
+                "ratio vs without": p50 / base,
+                "95% interval": f"[{lo:.3f}, {hi:.3f}]",
+            }
+        )
+    return format_table(rows, formats={"pooled TTFT p50 ms": "{:.1f}", "ratio vs without": "{:.3f}"})
 
 
 def main() -> int:

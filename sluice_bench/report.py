@@ -72,13 +72,20 @@ def format_table(
     digits: int = 3,
     formats: Mapping[str, str] | None = None,
 ) -> str:
-    """A markdown table: one line per row, `columns` (default: the first row's keys) in order;
-    `headers` renames columns, `formats` gives a column a format string ("{:.1%}")."""
+    """A markdown table: one line per row, `columns` (default: the first row's keys) in order,
+    numeric columns right-aligned; `headers` renames columns, `formats` gives a column a format
+    string ("{:.1%}")."""
     if not rows:
         return ""
     cols = list(columns or rows[0].keys())
     names = [(headers or {}).get(c, c) for c in cols]
-    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(cols)]
+
+    def numeric(col: str) -> bool:
+        values = [r.get(col) for r in rows if r.get(col) is not None]
+        return bool(values) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+
+    # numbers right-aligned, text left
+    lines = ["| " + " | ".join(names) + " |", "|" + "".join("---:|" if numeric(c) else "---|" for c in cols)]
     for row in rows:
         cells = []
         for c in cols:
