@@ -47,7 +47,7 @@ from predictor_service.train import model_vocabulary
 from sluice.common.paths import data_file
 from sluice.contract.lengths import length_bucket
 from sluice_bench.options import benchmark_parser
-from sluice_bench.report import write_json
+from sluice_bench.report import format_table, write_json
 
 SOURCES = ("prompts/sharegpt_v3_conversations.jsonl.gz", "prompts/alpaca_eval_outputs_32models.jsonl.gz")
 LAYERS = 2  # the served encoder's depth
@@ -188,6 +188,23 @@ def run(rank: int, parts: dict[str, list[Sample]], args: argparse.Namespace) -> 
     }
 
 
+def results_table(runs: list[dict]) -> str:
+    rows = []
+    for r in runs:
+        acc = r["test_at_best_val"]
+        rows.append(
+            {
+                "encoder": "frozen (head only)" if r["rank"] == 0 else f"LoRA rank {r['rank']}, end to end",
+                "adapter parameters": r["adapter_parameters"],
+                "best val epoch": r["best_epoch"],
+                "test bucket accuracy: ShareGPT first turns / AlpacaEval": (
+                    f"{acc.get('sharegpt', float('nan')):.3f} / {acc.get('alpaca-eval', float('nan')):.3f}"
+                ),
+            }
+        )
+    return format_table(rows, formats={"adapter parameters": "{:,}"})
+
+
 def main() -> int:
     parser = benchmark_parser(__doc__)
     parser.add_argument("--ranks", default="0,16", help="adapter ranks to train, comma-separated (0: frozen encoder)")
@@ -205,15 +222,7 @@ def main() -> int:
     samples = [s for s in samples if s.first_turn or s.source != "sharegpt"]
     parts = split_samples(samples)
     runs = [run(int(r), parts, args) for r in args.ranks.split(",")]
-    print("| encoder | adapter parameters | best val epoch | test bucket accuracy: ShareGPT first turns / AlpacaEval |")
-    print("|---|---:|---:|---|")
-    for r in runs:
-        name = "frozen (head only)" if r["rank"] == 0 else f"LoRA rank {r['rank']}, end to end"
-        acc = r["test_at_best_val"]
-        print(
-            f"| {name} | {r['adapter_parameters']:,} | {r['best_epoch']} | "
-            f"{acc.get('sharegpt', float('nan')):.3f} / {acc.get('alpaca-eval', float('nan')):.3f} |"
-        )
+    print(results_table(runs))
     if args.json:
         out = {
             "split": {k: len(v) for k, v in parts.items()},

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice_bench.options import benchmark_parser
-from sluice_bench.report import write_json
+from sluice_bench.report import format_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"sluice scheduler listening on ([\d.]+):(\d+)")
@@ -229,15 +229,21 @@ def run_policies(args: argparse.Namespace, offline_jobs: list[Job], online_jobs:
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     first = rows[0]["policy"]
-    print(
-        f"\n| policy | finished | offline tok/s | TBT p50 ms | TTFT p50 ms | E2E mean s | tokens equal to {first}'s |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        cells = [r["policy"], f"{r['finished']}/{r['requests']}", f"{r['offline_tok_s']:.1f}"]
-        cells += [f"{r['online_tbt_p50_ms']:.1f}", f"{r['online_ttft_p50_ms']:.1f}", f"{r['online_e2e_mean_s']:.2f}"]
-        cells.append(f"{r['tokens_equal_to_first']}/{len(ids)}")
-        print("| " + " | ".join(cells) + " |")
+    table = [
+        {
+            "policy": r["policy"],
+            "finished": f"{r['finished']}/{r['requests']}",
+            "offline tok/s": r["offline_tok_s"],
+            "TBT p50 ms": r["online_tbt_p50_ms"],
+            "TTFT p50 ms": r["online_ttft_p50_ms"],
+            "E2E mean s": r["online_e2e_mean_s"],
+            f"tokens equal to {first}'s": f"{r['tokens_equal_to_first']}/{len(ids)}",
+        }
+        for r in rows
+    ]
+    one = "{:.1f}"
+    formats = {"offline tok/s": one, "TBT p50 ms": one, "TTFT p50 ms": one, "E2E mean s": "{:.2f}"}
+    print("\n" + format_table(table, formats=formats))
     return rows
 
 

@@ -50,6 +50,7 @@ from sluice.contract.plan_codec import plan_to_proto, result_from_proto
 from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from sluice_bench.options import benchmark_parser
+from sluice_bench.report import format_table
 from worker_service.engine import EngineConfig, LLMEngine
 from worker_service.model.dummy import PRESETS
 from worker_service.server import build_server
@@ -326,15 +327,13 @@ def agreement(ours: dict[str, list[int]], hf: dict[str, list[int]], prefix: int)
     return same, len(ours)
 
 
+COLUMNS = ("system", "requests", "output tokens", "wall s", "output tok/s", "vs HF")
+
+
 def markdown(rows: list[tuple[str, ...]], notes: list[str]) -> str:
-    lines = [
-        "| system | requests | output tokens | wall s | output tok/s | vs HF |",
-        "|---|---:|---:|---:|---:|---:|",
-        *("| " + " | ".join(r) + " |" for r in rows),
-        "",
-        *(f"- {n}" for n in notes),
-    ]
-    return "\n".join(lines)
+    """The systems side by side (`rows`: one tuple of cells per system, in COLUMNS' order), then the notes."""
+    table = format_table([dict(zip(COLUMNS, r, strict=True)) for r in rows], right=COLUMNS[1:])
+    return "\n".join([table, "", *(f"- {n}" for n in notes)])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -71,16 +71,19 @@ def format_table(
     headers: Mapping[str, str] | None = None,
     digits: int = 3,
     formats: Mapping[str, str] | None = None,
+    right: Sequence[str] = (),
 ) -> str:
     """A markdown table: one line per row, `columns` (default: the first row's keys) in order,
-    numeric columns right-aligned; `headers` renames columns, `formats` gives a column a format
-    string ("{:.1%}")."""
+    numeric columns (and those named in `right`) right-aligned; `headers` renames columns,
+    `formats` gives a column a format string ("{:.1%}")."""
     if not rows:
         return ""
     cols = list(columns or rows[0].keys())
     names = [(headers or {}).get(c, c) for c in cols]
 
     def numeric(col: str) -> bool:
+        if col in right:
+            return True
         values = [r.get(col) for r in rows if r.get(col) is not None]
         return bool(values) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
 
