@@ -67,6 +67,7 @@ from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2
 from sluice_bench.live import spawn_worker
 from sluice_bench.options import benchmark_parser
+from sluice_bench.report import format_table
 
 GPU_STEP_S = 0.020
 TARGET_SHARE = 0.05
@@ -197,18 +198,28 @@ async def measure(address: str, n: int, steps: int, warmup: int) -> SizeResult:
     )
 
 
-def format_table(results: list[SizeResult]) -> str:
-    head = (
-        "| running seqs | build ms | encode ms (in rpc) | rpc ms | worker ms (in rpc) | apply ms | total ms "
-        "| share of 20 ms | plan bytes | whole-request bytes |"
-    )
-    lines = [head, "|" + "---|" * 10]
-    for r in results:
-        lines.append(
-            f"| {r.n} | {r.build_ms:.3f} | {r.encode_ms:.3f} | {r.rpc_ms:.3f} | {r.worker_ms:.3f} | {r.apply_ms:.3f} "
-            f"| {r.total_ms:.3f} | {r.share:.1%} | {r.plan_bytes:.0f} | {r.whole_bytes:.0f} |"
-        )
-    return "\n".join(lines)
+MS = "{:.3f}"
+
+
+def size_table(results: list[SizeResult]) -> str:
+    rows = [
+        {
+            "running seqs": r.n,
+            "build ms": r.build_ms,
+            "encode ms (in rpc)": r.encode_ms,
+            "rpc ms": r.rpc_ms,
+            "worker ms (in rpc)": r.worker_ms,
+            "apply ms": r.apply_ms,
+            "total ms": r.total_ms,
+            "share of 20 ms": r.share,
+            "plan bytes": r.plan_bytes,
+            "whole-request bytes": r.whole_bytes,
+        }
+        for r in results
+    ]
+    formats = {k: MS for k in rows[0] if k.endswith("ms") or "ms (" in k} if rows else {}
+    formats |= {"share of 20 ms": "{:.1%}", "plan bytes": "{:.0f}", "whole-request bytes": "{:.0f}"}
+    return format_table(rows, formats=formats)
 
 
 def combine(rounds: list[SizeResult]) -> SizeResult:
@@ -355,18 +366,24 @@ async def modes_async(args: argparse.Namespace) -> list[ModeResult]:
 
 
 def format_modes(results: list[ModeResult]) -> str:
-    lines = [
-        "| worker | running seqs | overlap | step period ms | visible overhead ms | share of 20 ms "
-        "| mean period ms | visible (mean) ms | period - worker's step ms | decode tok/s |",
-        "|" + "---|" * 10,
+    rows = [
+        {
+            "worker": r.worker,
+            "running seqs": r.n,
+            "overlap": "on" if r.overlap else "off",
+            "step period ms": r.period_ms,
+            "visible overhead ms": r.visible_ms,
+            "share of 20 ms": r.share,
+            "mean period ms": r.mean_period_ms,
+            "visible (mean) ms": r.mean_period_ms - r.device_ms,
+            "period - worker's step ms": r.gap_ms,
+            "decode tok/s": r.tok_s,
+        }
+        for r in results
     ]
-    for r in results:
-        lines.append(
-            f"| {r.worker} | {r.n} | {'on' if r.overlap else 'off'} | {r.period_ms:.3f} | {r.visible_ms:.3f} "
-            f"| {r.share:.2%} | {r.mean_period_ms:.3f} | {r.mean_period_ms - r.device_ms:.3f} | {r.gap_ms:.3f} "
-            f"| {r.tok_s:,.0f} |"
-        )
-    return "\n".join(lines)
+    formats = {k: MS for k in rows[0] if k.endswith(" ms")} if rows else {}
+    formats |= {"share of 20 ms": "{:.2%}", "decode tok/s": "{:,.0f}"}
+    return format_table(rows, formats=formats)
 
 
 def modes_summary(results: list[ModeResult]) -> str:
@@ -414,7 +431,7 @@ def main() -> int:
             return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     results = asyncio.run(main_async(sizes, args.steps, args.warmup, args.rounds))
-    table = format_table(results)
+    table = size_table(results)
     print(table)
     last = results[-1]
     verdict = "meets" if last.share <= TARGET_SHARE else "misses"
