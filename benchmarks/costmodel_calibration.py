@@ -29,6 +29,7 @@ from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.costmodel.pivot import pivot_forward_size, throughput_curve
 from sluice.contract.profile import BatchShape
 from sluice_bench.options import benchmark_parser
+from sluice_bench.report import print_table
 
 TOKENS = (1, 64, 256, 512, 2048, 4096)
 README_MS = {
@@ -76,17 +77,15 @@ def geomean(values: list[float]) -> float:
 
 def non_attention_table() -> None:
     print("### Non-attention forward time vs the README table (ratio = model / README)\n")
-    print(
-        "| GPU | model | TP | README ms at "
-        + " / ".join(map(str, TOKENS))
-        + " tokens | profile ratios | analytic ratios |"
-    )
-    print("|---|---|---|---|---|---|")
+    readme = "README ms at " + " / ".join(map(str, TOKENS)) + " tokens"
+    rows = []
     for (gpu, model, tp), ms in README_MS.items():
         ana, prof = pair(model, gpu, tp)
         p = [prof.non_attention_time(t) * 1e3 / m for t, m in zip(TOKENS, ms, strict=True)]
         a = [ana.non_attention_time(t) * 1e3 / m for t, m in zip(TOKENS, ms, strict=True)]
-        print(f"| {gpu} | {model} | {tp} | {' / '.join(map(str, ms))} | {fmt(p)} | {fmt(a)} |")
+        row = {"GPU": gpu, "model": model, "TP": str(tp), readme: " / ".join(map(str, ms))}
+        rows.append(row | {"profile ratios": fmt(p), "analytic ratios": fmt(a)})
+    print_table(rows)
     print()
 
 
@@ -98,68 +97,84 @@ def attention_table() -> None:
     ana, prof = pair("llama-2-70b", "a100-80g", 2)  # the legacy file's own head layout
     layers = ana.model.num_layers
     print("### Attention per layer vs the legacy A100 grid (32 q / 4 KV heads per GPU), ms\n")
-    print("| kind | shape | measured | profile | analytic | analytic / measured |")
-    print("|---|---|---|---|---|---|")
+    rows = []
+
+    def row(kind: str, shape: str, ms: float, p: float, a: float) -> dict[str, str]:
+        cells = {"measured": f"{ms:.3f}", "profile": f"{p:.3f}", "analytic": f"{a:.3f}"}
+        return {"kind": kind, "shape": shape, **cells, "analytic / measured": f"{a / ms:.2f}"}
+
     for (b, c), ms in LEGACY_DECODE_MS.items():
         p, a = (m.decode_attention_time(b, b * c) * 1e3 / layers for m in (prof, ana))
-        print(f"| decode | batch {b}, context {c} | {ms:.3f} | {p:.3f} | {a:.3f} | {a / ms:.2f} |")
+        rows.append(row("decode", f"batch {b}, context {c}", ms, p, a))
     for (c, pre), ms in LEGACY_PREFILL_MS.items():
         p, a = (m.prefill_attention_time([(c, pre)]) * 1e3 / layers for m in (prof, ana))
-        print(f"| prefill | chunk {c}, prefix {pre} | {ms:.3f} | {p:.3f} | {a:.3f} | {a / ms:.2f} |")
+        rows.append(row("prefill", f"chunk {c}, prefix {pre}", ms, p, a))
+    print_table(rows)
     print()
 
 
 def mixed_table() -> None:
     print("### Whole iterations: analytic vs operator profile, ms (ratio analytic / profile)\n")
-    print("| model | GPU | TP | " + " | ".join(MIXED_SHAPES) + " |")
-    print("|---|---|---|" + "---|" * len(MIXED_SHAPES))
+    rows = []
     for model, gpu, tp in MIXED_MODELS:
         ana, prof = pair(model, gpu, tp)
-        cells = []
-        for shape in MIXED_SHAPES.values():
+        row = {"model": model, "GPU": gpu, "TP": str(tp)}
+        for name, shape in MIXED_SHAPES.items():
             a, p = ana.iteration_time(shape) * 1e3, prof.iteration_time(shape) * 1e3
-            cells.append(f"{a:.1f} / {p:.1f} ({a / p:.2f})")
-        print(f"| {model} | {gpu} | {tp} | " + " | ".join(cells) + " |")
+            row[name] = f"{a:.1f} / {p:.1f} ({a / p:.2f})"
+        rows.append(row)
+    print_table(rows)
     print()
 
 
 def pivot_table() -> None:
     print("### AccelGen pivot forward size (95% of peak tokens/s; published: OPT-13B on A100 ~768)\n")
-    print("| model | GPU | cost model | grid max | S_pf | T_pf ms | tokens/s at S_pf |")
-    print("|---|---|---|---|---|---|---|")
+    rows = []
     for model, gpu in (("opt-13b", "a100-80g"), ("llama-2-7b", "a100-80g"), ("llama-2-7b", "h100-80g")):
         for cm in pair(model, gpu):
             for max_tokens in (4096, 8192):
                 size, seconds = pivot_forward_size(cm, max_tokens=max_tokens)
-                row = f"| {model} | {gpu} | {cm.name} | {max_tokens} | {size} |"
-                print(f"{row} {seconds * 1e3:.1f} | {size / seconds:.0f} |")
+                row = {"model": model, "GPU": gpu, "cost model": cm.name, "grid max": str(max_tokens)}
+                row |= {
+                    "S_pf": str(size),
+                    "T_pf ms": f"{seconds * 1e3:.1f}",
+                    "tokens/s at S_pf": f"{size / seconds:.0f}",
+                }
+                rows.append(row)
+    print_table(rows)
     print()
 
 
 def sarathi_table() -> None:
     print("### Sarathi-Serve Fig. 3 shape: Mistral-7B on A100, tokens/s\n")
-    print("| cost model | decode tok/s at batch " + " / ".join(map(str, DECODE_BATCHES)) + " (context 1024) "
-          "| x(64 vs 1) | prefill tok/s at 128 / 512 / 4096 | 512 vs 4096 |")  # fmt: skip
-    print("|---|---|---|---|---|")
+    decode = "decode tok/s at batch " + " / ".join(map(str, DECODE_BATCHES)) + " (context 1024)"
+    rows = []
     for cm in pair("mistral-7b", "a100-80g"):
         dec = [b / cm.decode_time(b, 1024) for b in DECODE_BATCHES]
         pre = [n / cm.prefill_time(n) for n in (128, 512, 4096)]
-        line = f"| {cm.name} | {' / '.join(f'{d:.0f}' for d in dec)} | {dec[6] / dec[0]:.1f} | "
-        print(line + f"{' / '.join(f'{p:.0f}' for p in pre)} | {pre[1] / pre[2]:.2f} |")
+        row = {
+            "cost model": cm.name,
+            decode: " / ".join(f"{d:.0f}" for d in dec),
+            "x(64 vs 1)": f"{dec[6] / dec[0]:.1f}",
+        }
+        row |= {"prefill tok/s at 128 / 512 / 4096": " / ".join(f"{p:.0f}" for p in pre)}
+        rows.append(row | {"512 vs 4096": f"{pre[1] / pre[2]:.2f}"})
+    print_table(rows)
     print()
 
 
 def pricing_speed_table(calls: int = 20_000) -> None:
     """The simulator prices every step: one mixed batch should cost microseconds (target 10 us)."""
     print("### Pricing one mixed batch (2 prefill chunks + 40 decodes), microseconds per call\n")
-    print("| model | cost model | us per call |")
-    print("|---|---|---|")
     shape = BatchShape(prefill_chunks=[(300, 500), (200, 0)], num_decodes=40, decode_context_sum=40 * 900)
+    rows = []
     for cm in pair("llama-2-70b", "a100-80g", tp=4):
         start = time.perf_counter()
         for _ in range(calls):
             cm.iteration_time(shape)
-        print(f"| llama-2-70b TP4 | {cm.name} | {(time.perf_counter() - start) / calls * 1e6:.2f} |")
+        per_call = (time.perf_counter() - start) / calls * 1e6
+        rows.append({"model": "llama-2-70b TP4", "cost model": cm.name, "us per call": f"{per_call:.2f}"})
+    print_table(rows)
     print()
 
 
