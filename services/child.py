@@ -60,7 +60,7 @@ LISTENING = re.compile(r"listening on ([\w.\-\[\]:]+):(\d+)")
 
 
 def listening_address(line: str | bytes) -> str | None:
-    """"HOST:PORT" of a service's "listening on" line; None for any other line."""
+    """The address ("HOST:PORT") of a service's "listening on" line; None for any other line."""
     text = line.decode(errors="replace") if isinstance(line, bytes) else line
     match = LISTENING.search(text)
     return f"{match.group(1)}:{match.group(2)}" if match else None
