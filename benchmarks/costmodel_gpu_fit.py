@@ -26,6 +26,7 @@ from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.costmodel.fitted import FittedCostModel
 from sluice.contract.profile import BatchShape, StepSample, WorkerProfile
 from sluice_bench.options import benchmark_parser
+from sluice_bench.report import format_table
 from worker_service.profiler import GPU_GRID
 
 
@@ -59,17 +60,19 @@ def proxy_profile(kind: str, model: str, hardware: str) -> WorkerProfile:
     return WorkerProfile(truth.model, f"{kind} model on {hardware}", "bfloat16", 16, "proxy", steps, [])
 
 
-def stats(errors: Sequence[float]) -> str:
+def stats(errors: Sequence[float]) -> dict[str, str]:
     a = np.abs(np.asarray(errors))
-    return f"{np.median(a):.1%} | {a.mean():.1%} | {np.percentile(a, 90):.1%} | {len(a)}"
+    pct = "{:.1%}"
+    cells = {"median abs error": np.median(a), "mean": a.mean(), "p90": np.percentile(a, 90)}
+    return {k: pct.format(v) for k, v in cells.items()} | {"n": str(len(a))}
 
 
-def rows_for(name: str, errors: list[tuple[str, float]]) -> list[str]:
-    out = [f"| {name} | all | {stats([e for _, e in errors])} |"]
+def rows_for(name: str, errors: list[tuple[str, float]]) -> list[dict[str, str]]:
+    out = [{"model": name, "steps": "all", **stats([e for _, e in errors])}]
     for kind in ("prefill", "decode", "mixed"):
         part = [e for k, e in errors if k == kind]
         if part:
-            out.append(f"| {name} | {kind} | {stats(part)} |")
+            out.append({"model": name, "steps": kind, **stats(part)})
     return out
 
 
@@ -85,10 +88,8 @@ def report(profile: WorkerProfile, hardware: str, every: int) -> str:
         f"profile: {profile.model.name} on {profile.device}, {len(profile.steps)} step samples; fitted knee "
         f"{fitted.knee} GEMM rows; in-sample MAPE {fitted.fit_report().mape:.1%}",
         "",
-        "| model | steps | median abs error | mean | p90 | n |",
-        "|---|---|---|---|---|---|",
     ]
-    lines += rows_for(
+    rows = rows_for(
         f"fitted (on {held.num_fitted}, held out)",
         [(kind_of(s.shape), e) for s, e in zip(held_steps, held.relative_errors, strict=True)],
     )
@@ -97,10 +98,11 @@ def report(profile: WorkerProfile, hardware: str, every: int) -> str:
         try:
             model = build_cost_model(kind, preset, hardware)
         except (KeyError, ValueError) as exc:
-            lines.append(f"| {kind} | - | not available: {exc} | | | |")
+            missing = {"median abs error": f"not available: {exc}", "mean": "", "p90": "", "n": ""}
+            rows.append({"model": kind, "steps": "-", **missing})
             continue
-        lines += rows_for(f"{kind} ({hardware})", priced_errors(model, profile.steps))
-    return "\n".join(lines)
+        rows += rows_for(f"{kind} ({hardware})", priced_errors(model, profile.steps))
+    return "\n".join([*lines, format_table(rows)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
