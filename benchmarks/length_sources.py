@@ -38,7 +38,7 @@ from services.lengths import predictor_lengths
 from sluice.common.tokenizer import demo_tokenizer_path
 from sluice.contract.lengths import bucket_accuracy
 from sluice_bench.options import SERIAL, Parallelism, add_common_options, benchmark_parser, seed_list
-from sluice_bench.report import write_json
+from sluice_bench.report import format_table, write_json
 from sluice_bench.sweep import run_tasks
 
 POLICIES = ("alise", "econoserve", "accelgen", "scls", "fastserve", "sls", "sarathi", "vllm")
@@ -132,35 +132,39 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float:
 
 def tables(res: dict[str, Any]) -> str:
     rows = res["rows"]
-    out = ["Predictions against the truth:", "", "| trace | bucket accuracy | MAE tokens | under-predicted | "]
-    out[-1] += "ALISE doublings |"
-    out.append("|---|---|---|---|---|")
-    for trace, e in res["prediction_errors"].items():
-        out.append(
-            f"| {trace} | {e['bucket_accuracy']:.2f} | {e['mae_tokens']:.0f} | {e['under_share']:.0%} | "
-            f"{e['alise_doublings']} |"
-        )
+    errors = [
+        {
+            "trace": trace,
+            "bucket accuracy": f"{e['bucket_accuracy']:.2f}",
+            "MAE tokens": f"{e['mae_tokens']:.0f}",
+            "under-predicted": f"{e['under_share']:.0%}",
+            "ALISE doublings": str(e["alise_doublings"]),
+        }
+        for trace, e in res["prediction_errors"].items()
+    ]
+    out = ["Predictions against the truth:", "", format_table(errors)]
     for key, label, fmt in (
         ("normalized_latency_s", "normalized latency (s/token)", "{:.3f}"),
         ("jct_p50_s", "JCT p50 (s)", "{:.1f}"),
         ("throughput_tok_s", "throughput (tok/s)", "{:.0f}"),
     ):
         out += ["", f"{label}, mean over seeds {res['seeds']}:", ""]
-        out.append("| trace | policy | " + " | ".join(SOURCES) + " | predictor / oracle |")
-        out.append("|---|---|" + "---|" * (len(SOURCES) + 1))
+        lines = []
         for trace, _ in TRACES:
             for policy in POLICIES:
+                line = {"trace": trace, "policy": policy}
                 if policy in LENGTH_FREE:
                     value = fmt.format(_mean(_of(rows, trace, policy, "oracle"), key))
-                    out.append(f"| {trace} | {policy} | {value} | " + "same | " * (len(SOURCES) - 1) + "reads none |")
+                    line |= {SOURCES[0]: value, **dict.fromkeys(SOURCES[1:], "same")}
+                    lines.append(line | {"predictor / oracle": "reads none"})
                     continue
                 by = {s: _mean(_of(rows, trace, policy, s), key) for s in SOURCES}
                 ratio = by["predictor"] / by["oracle"] if by["oracle"] else math.nan
-                cells = " | ".join(fmt.format(by[s]) for s in SOURCES)
-                out.append(f"| {trace} | {policy} | {cells} | {ratio:.2f}x |")
+                line |= {s: fmt.format(by[s]) for s in SOURCES}
+                lines.append(line | {"predictor / oracle": f"{ratio:.2f}x"})
+        out.append(format_table(lines))
     out += ["", "Preemptions (by reason) and EconoServe's regroups, mean over seeds:", ""]
-    out.append("| trace | policy | " + " | ".join(SOURCES) + " |")
-    out.append("|---|---|" + "---|" * len(SOURCES))
+    lines = []
     for trace, _ in TRACES:
         for policy in POLICIES:
             cells = []
@@ -177,7 +181,8 @@ def tables(res: dict[str, Any]) -> str:
                     text += f"; regrouped {_mean(mine, 'regrouped'):.0f}"
                 cells.append(text)
             cells += ["same"] * (len(SOURCES) - len(cells))
-            out.append(f"| {trace} | {policy} | " + " | ".join(cells) + " |")
+            lines.append({"trace": trace, "policy": policy, **dict(zip(SOURCES, cells, strict=True))})
+    out.append(format_table(lines))
     return "\n".join(out)
 
 
