@@ -25,6 +25,7 @@ from scheduler_service.sim.workloads import load_trace
 from sluice.contract.plan import StepResult
 from sluice.contract.sampling import SamplingParams
 from sluice_bench.options import benchmark_parser
+from sluice_bench.report import print_table
 
 POLICIES = ["vllm", "econoserve:variant=D", "econoserve:variant=SD", "econoserve:variant=SDO", "econoserve"]
 RUNNING = 256
@@ -111,13 +112,12 @@ def main() -> None:
     wl = load_trace("sharegpt", num_requests=12_000, seed=0)
     prompts = [r.prompt_tokens for r in wl.requests]
     outputs = [max(2, r.output_tokens) for r in wl.requests]
-    print("| policy | mean ms | p50 ms | p99 ms | running | waiting |\n|---|---:|---:|---:|---:|---:|")
+    rows = []
     for policy in tqdm(POLICIES, desc="policies", leave=False):
         r = measure(policy, args.steps, prompts, outputs)
-        tqdm.write(
-            f"| {policy} | {r['mean_ms']:.3f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
-            f"{r['running']} | {r['waiting']} |"
-        )
+        ms = {f"{k} ms": r[f"{k}_ms"] for k in ("mean", "p50", "p99")}
+        rows.append({"policy": policy, **ms, "running": r["running"], "waiting": r["waiting"]})
+    print_table(rows, formats=dict.fromkeys(("mean ms", "p50 ms", "p99 ms"), "{:.3f}"))
 
 
 if __name__ == "__main__":
