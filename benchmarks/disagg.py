@@ -47,7 +47,7 @@ from scheduler_service.sim.disagg_search import DISTSERVE_ATTAINMENT, cheapest_s
 from scheduler_service.sim.simulator import SimConfig, SimRun, simulate
 from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
 from sluice_bench.options import Parallelism, add_parallel_options
-from sluice_bench.report import write_json
+from sluice_bench.report import format_table, write_json
 from sluice_bench.sweep import run_tasks
 
 
@@ -241,36 +241,34 @@ def report(data: dict[str, Any], out: Path) -> str:
         f"and TBT {args['tbt_scale']:g}x decode), {args['gpus']} GPUs, {args['num_requests']} requests per run",
         "",
     ]
-    lines += [
-        "| trace | config | goodput req/s | per GPU | vs colocated vllm | TTFT p50 / p99 s | TBT p99 ms "
-        "| transfer p50 / p99 ms | GB moved |",
-        "|---|---|---:|---:|---:|---|---:|---|---:|",
-    ]
+    goodput = []
     for name in args["traces"]:
         vllm = next(r for r in rows if r["trace"] == name and r["config"] == "vllm")["goodput_req_s"]
         for r in (r for r in rows if r["trace"] == name):
             t = r["at_goodput"].get("transfer")
-            cost = (
-                f"{t['transfer_s_p50'] * 1e3:.2f} / {t['transfer_s_p99'] * 1e3:.2f}"
-                if t and t["transfer_s_p50"]
-                else ""
-            )
-            moved = f"{t['bytes'] / 1e9:.0f}" if t else ""
-            ratio = f"{r['goodput_req_s'] / vllm:.2f}x" if vllm > 0 else "n/a"
             at = r["at_goodput"]
-            lat = f"{at['ttft_p50_s']:.2f} / {at['ttft_p99_s']:.2f} | {at['tbt_p99_s'] * 1e3:.0f}" if at else " | "
-            lines.append(
-                f"| {name} | {r['config']} | {r['goodput_req_s']:.2f} | {r['goodput_per_gpu']:.3f} | {ratio} "
-                f"| {lat} | {cost} | {moved} |"
+            goodput.append(
+                {
+                    "trace": name,
+                    "config": r["config"],
+                    "goodput req/s": f"{r['goodput_req_s']:.2f}",
+                    "per GPU": f"{r['goodput_per_gpu']:.3f}",
+                    "vs colocated vllm": f"{r['goodput_req_s'] / vllm:.2f}x" if vllm > 0 else "n/a",
+                    "TTFT p50 / p99 s": f"{at['ttft_p50_s']:.2f} / {at['ttft_p99_s']:.2f}" if at else "",
+                    "TBT p99 ms": f"{at['tbt_p99_s'] * 1e3:.0f}" if at else "",
+                    "transfer p50 / p99 ms": (
+                        f"{t['transfer_s_p50'] * 1e3:.2f} / {t['transfer_s_p99'] * 1e3:.2f}"
+                        if t and t["transfer_s_p50"]
+                        else ""
+                    ),
+                    "GB moved": f"{t['bytes'] / 1e9:.0f}" if t else "",
+                }
             )
-    lines += [
-        "",
-        "Which SLO is missed, at the best split's goodput rate (attainment judging one SLO only):",
-        "",
-        "| trace | rate | config | TTFT-only | TBT-only |",
-        "|---|---:|---|---:|---:|",
-    ]
+    right = ("goodput req/s", "per GPU", "vs colocated vllm", "TBT p99 ms", "GB moved")
+    lines += [format_table(goodput, right=right)]
+    lines += ["", "Which SLO is missed, at the best split's goodput rate (attainment judging one SLO only):", ""]
     diags = data["diagnosis"]
+    missed = []
     for name in args["traces"]:
         configs = sorted({(d["kind"], d["prefill"], d["decode"]) for d in diags if d["trace"] == name})
         for kind, p, dd in configs:
@@ -283,32 +281,38 @@ def report(data: dict[str, Any], out: Path) -> str:
             }
             if "ttft" not in got:
                 continue
-            label = f"{p}P+{dd}D" if kind == "disagg" else kind
-            lines.append(
-                f"| {name} | {got['ttft']['rate']:.2f} | {label} | {got['ttft']['attainment']:.1%} "
-                f"| {got['tbt']['attainment']:.1%} |"
+            missed.append(
+                {
+                    "trace": name,
+                    "rate": f"{got['ttft']['rate']:.2f}",
+                    "config": f"{p}P+{dd}D" if kind == "disagg" else kind,
+                    "TTFT-only": f"{got['ttft']['attainment']:.1%}",
+                    "TBT-only": f"{got['tbt']['attainment']:.1%}",
+                }
             )
-    lines += [
-        "",
-        "The best split with its KV over slower links, at its NVLink goodput rate:",
-        "",
-        "| trace | split | network | attainment | transfer p50 / p99 ms |",
-        "|---|---|---|---:|---|",
+    lines += [format_table(missed, right=("rate", "TTFT-only", "TBT-only"))]
+    lines += ["", "The best split with its KV over slower links, at its NVLink goodput rate:", ""]
+    links = [
+        {
+            "trace": d["trace"],
+            "split": f"{d['prefill']}P+{d['decode']}D",
+            "network": d["network"],
+            "attainment": f"{d['attainment']:.1%}",
+            "transfer p50 / p99 ms": (
+                f"{d['transfer']['transfer_s_p50'] * 1e3:.1f} / {d['transfer']['transfer_s_p99'] * 1e3:.1f}"
+            ),
+        }
+        for d in diags
+        if d["network"] != "nvlink"
     ]
-    for d in diags:
-        if d["network"] != "nvlink":
-            t = d["transfer"]
-            lines.append(
-                f"| {d['trace']} | {d['prefill']}P+{d['decode']}D | {d['network']} | {d['attainment']:.1%} "
-                f"| {t['transfer_s_p50'] * 1e3:.1f} / {t['transfer_s_p99'] * 1e3:.1f} |"
-            )
+    lines += [
+        format_table(links, ["trace", "split", "network", "attainment", "transfer p50 / p99 ms"], right=("attainment",))
+    ]
     lines += [
         "",
         f"GPUs each deployment needs for one rate (>= 90% within SLOs; colocated searched up to {2 * args['gpus']} "
         f"workers, splits up to {args['gpus'] + 1} at vllm's rate and {args['gpus']} at the split's own):",
         "",
-        "| trace | rate | the rate is | cheapest P+D | colocated vllm | colocated econoserve |",
-        "|---|---:|---|---|---:|---:|",
     ]
 
     def gpus(split: dict[str, Any] | None) -> str:
@@ -318,18 +322,33 @@ def report(data: dict[str, Any], out: Path) -> str:
             else f"{split['prefill']}P+{split['decode']}D = {split['prefill'] + split['decode']}"
         )
 
+    sizing = []
     for s in data["sizing"]:
         if "split_at_vllm_rate" in s:
-            lines.append(
-                f"| {s['trace']} | {s['vllm_rate']:.2f} | vllm's goodput on {args['gpus']} | "
-                f"{gpus(s['split_at_vllm_rate'])} | {args['gpus']} | |"
+            sizing.append(
+                {
+                    "trace": s["trace"],
+                    "rate": f"{s['vllm_rate']:.2f}",
+                    "the rate is": f"vllm's goodput on {args['gpus']}",
+                    "cheapest P+D": gpus(s["split_at_vllm_rate"]),
+                    "colocated vllm": str(args["gpus"]),
+                    "colocated econoserve": "",
+                }
             )
         if "split_at_disagg_rate" in s:
             e, v = s["econoserve_workers_at_disagg_rate"], s["vllm_workers_at_disagg_rate"]
-            lines.append(
-                f"| {s['trace']} | {s['disagg_rate']:.2f} | best split's goodput on {args['gpus']} | "
-                f"{gpus(s['split_at_disagg_rate'])} | {v or 'none'} | {e or 'none'} |"
+            sizing.append(
+                {
+                    "trace": s["trace"],
+                    "rate": f"{s['disagg_rate']:.2f}",
+                    "the rate is": f"best split's goodput on {args['gpus']}",
+                    "cheapest P+D": gpus(s["split_at_disagg_rate"]),
+                    "colocated vllm": str(v or "none"),
+                    "colocated econoserve": str(e or "none"),
+                }
             )
+    columns = ["trace", "rate", "the rate is", "cheapest P+D", "colocated vllm", "colocated econoserve"]
+    lines += [format_table(sizing, columns, right=("rate", "colocated vllm", "colocated econoserve"))]
     text = "\n".join(lines) + "\n"
     out.with_suffix(".md").write_text(text)
     _plot(data, out.with_suffix(".png"))

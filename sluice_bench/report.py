@@ -75,8 +75,9 @@ def format_table(
 ) -> str:
     """A markdown table: one line per row, `columns` (default: the first row's keys) in order,
     numeric columns (and those named in `right`) right-aligned; `headers` renames columns,
-    `formats` gives a column a format string ("{:.1%}")."""
-    if not rows:
+    `formats` gives a column a format string ("{:.1%}"). No rows: the header alone where
+    `columns` are given, else nothing."""
+    if not rows and not columns:
         return ""
     cols = list(columns or rows[0].keys())
     names = [(headers or {}).get(c, c) for c in cols]
