@@ -43,7 +43,7 @@ from scheduler_service.sim.simulator import SimConfig, SimRun, Simulation, simul
 from scheduler_service.sim.slo_profiles import apply_slo_profile
 from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
 from sluice_bench.options import Parallelism, add_parallel_options, benchmark_parser
-from sluice_bench.report import write_json
+from sluice_bench.report import print_table, write_json
 from sluice_bench.sweep import run_tasks
 
 MODEL, HARDWARE, MAX_TOKENS = "llama-3.1-8b", "h100-80g", 2048
@@ -241,55 +241,87 @@ def routers_part(scenarios: list[tuple[str, str, int, float]], parallelism: Para
 
 def print_tables(results: dict[str, Any]) -> None:
     print("\n## prefix caching (vllm, one H100)")
-    print(
-        "| trace | rate | cached share (trace's) | TTFT p50 off -> on | drop | prefill tokens off -> on | drop "
-        "| req/s off / on | KV off |"
-    )
+    rows = []
     for r in sorted(results["prefix"].values(), key=lambda r: (r["trace"], r["rate"])):
         on, off = r["on"], r["off"]
-        print(
-            f"| {r['trace']} ({r['requests']}) | {r['rate']} | {r['cached_share']:.1%} ({r['trace_prefix_share']:.1%}) "
-            f"| {off['ttft_p50_s']:.3f} -> {on['ttft_p50_s']:.3f} s | {r['ttft_p50_drop']:.1%} "
-            f"| {off['prefill_tokens']:,} -> {on['prefill_tokens']:,} | {r['prefill_drop']:.1%} "
-            f"| {off['throughput_req_s']:.2f} / {on['throughput_req_s']:.2f} | {off['kv_util']:.2f} |"
+        rows.append(
+            {
+                "trace": f"{r['trace']} ({r['requests']})",
+                "rate": r["rate"],
+                "cached share (trace's)": f"{r['cached_share']:.1%} ({r['trace_prefix_share']:.1%})",
+                "TTFT p50 off -> on": f"{off['ttft_p50_s']:.3f} -> {on['ttft_p50_s']:.3f} s",
+                "drop": f"{r['ttft_p50_drop']:.1%}",
+                "prefill tokens off -> on": f"{off['prefill_tokens']:,} -> {on['prefill_tokens']:,}",
+                "prefill drop": f"{r['prefill_drop']:.1%}",
+                "req/s off / on": f"{off['throughput_req_s']:.2f} / {on['throughput_req_s']:.2f}",
+                "KV off": off["kv_util"],
+            }
         )
+    print_table(rows, formats={"rate": "{}", "KV off": "{:.2f}"})
     for rate, runs in results["policies"].items():
         vllm = runs["vllm"]
         print(f"\n## every policy, mooncake at {rate} req/s (vllm KV {vllm['kv_util']:.0%})")
-        print("| policy | req/s | / vllm | preemptions | TTFT p50 | TBT p99 | KV | pad tokens | prefill tokens |")
-        for policy, r in runs.items():
-            print(
-                f"| {policy} | {r['throughput_req_s']:.3f} | {r['throughput_req_s'] / vllm['throughput_req_s']:.2f} "
-                f"| {r['preemptions']} / {r['num_requests']} | {r['ttft_p50_s'] or 0:.2f} | {r['tbt_p99_s'] or 0:.3f} "
-                f"| {r['kv_util'] or 0:.2f} | {r['pad_tokens']:,} | {r['prefill_tokens']:,} |"
-            )
+        rows = [
+            {
+                "policy": policy,
+                "req/s": r["throughput_req_s"],
+                "/ vllm": r["throughput_req_s"] / vllm["throughput_req_s"],
+                "preemptions": f"{r['preemptions']} / {r['num_requests']}",
+                "TTFT p50": r["ttft_p50_s"] or 0,
+                "TBT p99": r["tbt_p99_s"] or 0,
+                "KV": r["kv_util"] or 0,
+                "pad tokens": r["pad_tokens"],
+                "prefill tokens": r["prefill_tokens"],
+            }
+            for policy, r in runs.items()
+        ]
+        formats = {"req/s": "{:.3f}", "/ vllm": "{:.2f}", "TTFT p50": "{:.2f}", "TBT p99": "{:.3f}", "KV": "{:.2f}"}
+        print_table(rows, formats=formats | {"pad tokens": "{:,}", "prefill tokens": "{:,}"})
         print(f"\n## where the time went, mooncake at {rate} req/s")
-        print(
-            "| policy | / vllm | prefill steps (s) | decode-only steps (s) | decode steps | rows per decode step "
-            "| rows per prefill step | invalid tokens | window (s) |"
-        )
+        rows = []
         for policy, r in runs.items():
             t = r.get("time_split")
             if t is None:
                 continue
-            print(
-                f"| {policy} | {r['throughput_req_s'] / vllm['throughput_req_s']:.2f} | {t['prefill_steps_s']:,.0f} "
-                f"| {t['decode_steps_s']:,.0f} | {t['decode_steps']:,} | {t['rows_per_decode_step']:.1f} "
-                f"| {t['rows_per_prefill_step']:.1f} | {t['invalid_tokens']:,} | {t['window_s']:,.0f} |"
+            rows.append(
+                {
+                    "policy": policy,
+                    "/ vllm": r["throughput_req_s"] / vllm["throughput_req_s"],
+                    "prefill steps (s)": t["prefill_steps_s"],
+                    "decode-only steps (s)": t["decode_steps_s"],
+                    "decode steps": t["decode_steps"],
+                    "rows per decode step": t["rows_per_decode_step"],
+                    "rows per prefill step": t["rows_per_prefill_step"],
+                    "invalid tokens": t["invalid_tokens"],
+                    "window (s)": t["window_s"],
+                }
             )
+        whole, one = "{:,.0f}", "{:.1f}"
+        formats = {"/ vllm": "{:.2f}", "prefill steps (s)": whole, "decode-only steps (s)": whole}
+        formats |= {"decode steps": "{:,}", "rows per decode step": one, "rows per prefill step": one}
+        print_table(rows, formats=formats | {"invalid tokens": "{:,}", "window (s)": whole})
     cap = results["capacity"]
     print(f"\n## capacity, relaxed SLO (P99 TBT <= {cap['tbt_slo_s']:.3f} s, median queueing <= 2 s)")
-    for policy, r in cap.items():
-        if policy != "tbt_slo_s":
-            print(f"| {policy} | {r['capacity_req_s']:.3f} req/s | P99 TBT there {r['tbt_p99_at_capacity_s']} |")
+    rows = [
+        {"policy": policy, "capacity req/s": r["capacity_req_s"], "P99 TBT there (s)": r["tbt_p99_at_capacity_s"]}
+        for policy, r in cap.items()
+        if policy != "tbt_slo_s"
+    ]
+    print_table(rows, formats={"capacity req/s": "{:.3f}", "P99 TBT there (s)": "{}"})
     for name, runs in results["routers"].items():
         print(f"\n## routers, 4 workers, {name} at {runs['rate']} req/s")
-        for router in ("round_robin", "least_work", "prefix_aware"):
-            r = runs[router]
-            print(
-                f"| {router} | TTFT p50 {r['ttft_p50_s']:.3f} s | p99 {r['ttft_p99_s']:.2f} s "
-                f"| hits {r['prefix_cache']['hit_rate']:.1%} | {r['throughput_req_s']:.2f} req/s |"
-            )
+        rows = [
+            {
+                "router": router,
+                "TTFT p50 (s)": runs[router]["ttft_p50_s"],
+                "TTFT p99 (s)": runs[router]["ttft_p99_s"],
+                "prefix cache hits": runs[router]["prefix_cache"]["hit_rate"],
+                "req/s": runs[router]["throughput_req_s"],
+            }
+            for router in ("round_robin", "least_work", "prefix_aware")
+        ]
+        formats = {"TTFT p50 (s)": "{:.3f}", "TTFT p99 (s)": "{:.2f}", "prefix cache hits": "{:.1%}", "req/s": "{:.2f}"}
+        print_table(rows, formats=formats)
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
