@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice_bench.report import fmt, plot_lines
+from sluice_bench.report import fmt, format_table, plot_lines
 from sluice_bench.repro.runs import _band, _mean
 
 
@@ -16,24 +16,18 @@ def claim_tables(res: dict[str, Any]) -> str:
     key = res["metrics"][0]
     base = res["baseline"]
     lines = [f"### {res['title']}", "", f"Paper: {res['paper_says']}.", ""]
-    head = "| rate (req/s) | " + " | ".join(f"{lab} {key} (mean [min, max])" for lab in labels) + " |"
-    lines += [head, "|" + "---|" * (len(labels) + 1)]
+    table = []
     for rate in res["setup"]["rates"]:
-        cells = []
+        row = {"rate (req/s)": f"{rate:g}"}
         for lab in labels:
-            rows = [r for r in res["rows"] if r["system"] == lab and r["rate"] == rate]
-            mean, lo, hi = _band(rows, key)
-            cells.append(f"{fmt(mean)} [{fmt(lo)}, {fmt(hi)}]")
-        lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+            mean, lo, hi = _band([r for r in res["rows"] if r["system"] == lab and r["rate"] == rate], key)
+            row[f"{lab} {key} (mean [min, max])"] = f"{fmt(mean)} [{fmt(lo)}, {fmt(hi)}]"
+        table.append(row)
+    lines.append(format_table(table, ["rate (req/s)", *(f"{lab} {key} (mean [min, max])" for lab in labels)]))
     if res["capacity"]:
-        lines += [
-            "",
-            f"Capacity ({res['rule']}):",
-            "",
-            "| system | capacity (req/s) | vs " + base + " |",
-            "|---|---|---|",
-        ]
+        lines += ["", f"Capacity ({res['rule']}):", ""]
         ref = res["capacity"].get(base, {}).get("capacity")
+        caps = []
         for lab in labels:
             c = res["capacity"][lab]
             if c["below_floor"]:
@@ -41,7 +35,8 @@ def claim_tables(res: dict[str, Any]) -> str:
             else:
                 text = f"{c['capacity']:.2f}" + (" (beyond the sweep)" if c.get("beyond_sweep") else "")
                 ratio = f"{c['capacity'] / ref:.2f}x" if ref else "-"
-            lines.append(f"| {lab} | {text} | {ratio} |")
+            caps.append({"system": lab, "capacity (req/s)": text, f"vs {base}": ratio})
+        lines.append(format_table(caps))
     if any(r.get("norm_latency_late_s") is not None for r in res["rows"]) and res["capacity"]:
         lines += ["", growth_table(res)]
     if res.get("comparisons"):
@@ -97,42 +92,43 @@ def growth_table(res: dict[str, Any]) -> str:
     """Normalized latency of the measured window's second half over its first (by arrival),
     mean over seeds: about 1 in a steady state, well above 1 while a queue still grows."""
     rates = res["setup"]["rates"]
-    lines = [
-        "Steady state: normalized latency, second half of the measured arrivals over the first (mean over seeds)",
-        "",
-        "| system | " + " | ".join(f"{r:g}" for r in rates) + " |",
-        "|---|" + "---|" * len(rates),
-    ]
+    table = []
     for s in res["systems"]:
-        cells = []
+        row = {"system": s["label"]}
         for rate in rates:
             rows = [r for r in res["rows"] if r["system"] == s["label"] and r["rate"] == rate]
             ratios = [
                 r["norm_latency_late_s"] / r["norm_latency_early_s"] for r in rows if r.get("norm_latency_early_s")
             ]
-            cells.append(fmt(float(np.mean(ratios))) if ratios else "-")
-        lines.append(f"| {s['label']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            row[f"{rate:g}"] = fmt(float(np.mean(ratios))) if ratios else "-"
+        table.append(row)
+    return "\n".join(
+        [
+            "Steady state: normalized latency, second half of the measured arrivals over the first (mean over seeds)",
+            "",
+            format_table(table, ["system", *(f"{r:g}" for r in rates)]),
+        ]
+    )
 
 
 def comparison_table(res: dict[str, Any]) -> str:
-    head = "| comparison | system vs baseline | ratio | what each side brings |"
-    lines = ["Comparisons:", "", head, "|---|---|---|---|"]
-    for c in res["comparisons"]:
-        ratio = _ratio_text(res, c["system"], c["baseline"])
-        lines.append(f"| {c['kind']} | {c['system']} vs {c['baseline']} | {ratio} | {c['note']} |")
-    return "\n".join(lines)
+    table = [
+        {
+            "comparison": c["kind"],
+            "system vs baseline": f"{c['system']} vs {c['baseline']}",
+            "ratio": _ratio_text(res, c["system"], c["baseline"]),
+            "what each side brings": c["note"],
+        }
+        for c in res["comparisons"]
+    ]
+    columns = ["comparison", "system vs baseline", "ratio", "what each side brings"]
+    return "\n".join(["Comparisons:", "", format_table(table, columns)])
 
 
 def mechanism_table(res: dict[str, Any]) -> str:
     """The paper mechanisms' counters (`details.policy_stats`, `router_stats`), mean over seeds."""
     keys = res["counters"]
-    lines = [
-        "Mechanism counters (mean over seeds, whole run): " + ", ".join(keys),
-        "",
-        "| system | rate | " + " | ".join(keys) + " |",
-        "|---|---|" + "---|" * len(keys),
-    ]
+    table = []
     for s in res["systems"]:
         for rate in res["setup"]["rates"]:
             rows = [r for r in res["rows"] if r["system"] == s["label"] and r["rate"] == rate]
@@ -140,31 +136,25 @@ def mechanism_table(res: dict[str, Any]) -> str:
                 continue
             # a counter a policy keeps but never moved is absent from its report: 0
             merged = [{**r.get("router_counters", {}), **r.get("counters", {})} for r in rows]
-            vals = [fmt(float(np.mean([m.get(k, 0) for m in merged])), 4) for k in keys]
-            lines.append(f"| {s['label']} | {rate:g} | " + " | ".join(vals) + " |")
-    return "\n".join(lines)
+            vals = {k: fmt(float(np.mean([m.get(k, 0) for m in merged])), 4) for k in keys}
+            table.append({"system": s["label"], "rate": f"{rate:g}", **vals})
+    head = "Mechanism counters (mean over seeds, whole run): " + ", ".join(keys)
+    return "\n".join([head, "", format_table(table, ["system", "rate", *keys])])
 
 
 def counter_table(res: dict[str, Any]) -> str:
     """EconoServe's misprediction counters and the preemptions, mean over seeds per rate."""
     rates = sorted({r["rate"] for r in res["rows"]})
-    lines = [
-        "Mean over seeds: regrouped / stopped at a full allocation (mispredicted_kept) / preemptions",
-        "",
-        "| system | " + " | ".join(f"{r:g} req/s" for r in rates) + " |",
-        "|---|" + "---|" * len(rates),
-    ]
+    keys = ("regrouped", "mispredicted_kept", "preemptions")
+    table = []
     for s in res["systems"]:
-        cells = []
+        row = {"system": s["label"]}
         for rate in rates:
             rows = [r for r in res["rows"] if r["system"] == s["label"] and r["rate"] == rate]
-            if not rows:
-                cells.append("-")
-                continue
-            keys = ("regrouped", "mispredicted_kept", "preemptions")
-            cells.append(" / ".join(fmt(_mean(rows, k), 4) for k in keys))
-        lines.append(f"| {s['label']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            row[f"{rate:g} req/s"] = " / ".join(fmt(_mean(rows, k), 4) for k in keys) if rows else "-"
+        table.append(row)
+    head = "Mean over seeds: regrouped / stopped at a full allocation (mispredicted_kept) / preemptions"
+    return "\n".join([head, "", format_table(table, ["system", *(f"{r:g} req/s" for r in rates)])])
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
