@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from scheduler_service.core.slo import SLOClass, SLOSpec
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.sim.simulator import SimConfig, simulate
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile, econoserve_latencies
 from scheduler_service.sim.workloads import apply_arrivals, load_trace
 from scheduler_service.sim.workloads.base import Workload
@@ -93,6 +93,7 @@ def run_one(job: tuple[str, str, str, int, float, float, int]) -> dict[str, Any]
         max_tokens=MAX_OUTPUT,
         length_source="oracle",
         seed=seed,
+        **PAPER_SETTING,
     )
     run = simulate(config, workload(trace, n, rate, offline, seed), cm)
     m = run.metrics

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.capacity import find_capacity, parse_rule
-from scheduler_service.sim.simulator import SimConfig, SimRun, simulate
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, SimRun, simulate
 from scheduler_service.sim.workloads import apply_arrivals, load_trace
 
 SETUPS = [("opt-13b", "v100-32g"), ("opt-6.7b", "v100-32g"), ("opt-2.7b", "v100-32g"), ("opt-13b", "a100-80g")]
@@ -82,6 +82,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "poisson",
         rate=job["rate"],
         seed=job["seed"],
+        **PAPER_SETTING,
     )
     alise_like = job["spec"].startswith(("alise", "fastserve"))
     cfg = SimConfig(
@@ -92,6 +93,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         router=job.get("router", "round_robin"),
         overlap_swap=alise_like,
         seed=job["seed"],
+        **PAPER_SETTING,
     )
     m = simulate(cfg, wl, cm).metrics
     return {
@@ -217,6 +219,7 @@ def _rate_runner(
             overlap_swap=alise_like,
             kv_gb=kv_gb_for(label, model, hw),
             seed=args.seed,
+            **PAPER_SETTING,
         )
         run = simulate(cfg, apply_arrivals(base, "poisson", rate=rate, seed=args.seed), cm)
         run.config["rate"] = rate

@@ -81,6 +81,7 @@ def build(policy: str) -> Scheduler:
         max_num_seqs=RUNNING,
         max_num_batched_tokens=8192,
         max_waiting=20_000,
+        overlap=False,  # the scheduler stepped on its own, one step after the last
     )
     return build_cluster(spec).schedulers[0]
 

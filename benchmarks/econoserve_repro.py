@@ -35,7 +35,7 @@ from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.costmodel.pivot import pivot_forward_size
 from scheduler_service.sim.capacity import find_capacity, parse_rule
-from scheduler_service.sim.simulator import SimConfig, SimRun, Simulation
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, SimRun, Simulation
 from scheduler_service.sim.slo_profiles import apply_slo_profile, econoserve_latencies
 from scheduler_service.sim.workloads import apply_arrivals, load_trace
 from scheduler_service.sim.workloads.base import Workload
@@ -98,6 +98,7 @@ class Bench:
             length_source=source,
             max_model_len=self.s.max_model_len,
             seed=self.seed,
+            **PAPER_SETTING,
         )
         sim = Simulation(cfg, self.workload(rate), self.cm)
         run = sim.run()

@@ -153,7 +153,7 @@ def run_sim(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        swap_space_gb=0.0,
+        swap_space_gib=0.0,
         length_source="max_tokens",
         step_overhead_s=overhead[0],
         seq_overhead_s=overhead[1],
@@ -162,6 +162,7 @@ def run_sim(
         # steps still showed (wall minus the cost model's price): it is already the part overlap
         # did not hide, so the simulator must not hide it again.
         overlap=args.overlap,
+        max_waiting=10_000,  # as the live run
         overlap_hides_overhead=False,
     )
     sim = Simulation(config, Workload("fidelity", trace), cost_model)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from scheduler_service.cluster.lengths import TableLengths
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.sim.simulator import SimConfig, simulate
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
 from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
 from services.lengths import predictor_lengths
@@ -110,6 +110,7 @@ def run(num_requests: int, seeds: list[int]) -> dict[str, Any]:
                     max_model_len=4096,
                     length_source=source if source != "predictor" else "oracle",
                     seed=seed,
+                    **PAPER_SETTING,
                 )
                 result = simulate(config, workload, cost_model, table if source == "predictor" else None)
                 rows.append(_row(trace, policy, source, seed, result))

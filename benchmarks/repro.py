@@ -58,7 +58,7 @@ from scheduler_service.core.request import Request
 from scheduler_service.core.slo import SLOClass, SLOSpec
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.sim.simulator import SimConfig, Simulation
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, Simulation
 from scheduler_service.sim.slo_profiles import apply_slo_profile, econoserve_latencies
 from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
 from scheduler_service.sim.workloads.base import TraceRequest
@@ -693,7 +693,7 @@ def run_one(claim: Claim, system: System, rate: float, seed: int, setup: Setup) 
         length_source=system.length_source if table is None else "oracle",  # unused when a table is given
         seed=seed,
     )
-    cfg = replace(cfg, **{**claim.common, **system.extra})
+    cfg = replace(cfg, **{**PAPER_SETTING, **claim.common, **system.extra})
     sim = _Recorded(cfg, wl, cm, table)
     full = sim.run()
     span = max((r.arrival_time for r in sim.made), default=0.0)
@@ -1111,6 +1111,7 @@ def scls_cause(rate: float = 4.0, seed: int = 0) -> list[dict[str, Any]]:
             block_size=claim.block_size,
             max_model_len=claim.max_model_len,
             seed=seed,
+            **PAPER_SETTING,
         )
         run = Simulation(cfg, wl, cm).run()
         d = run.details

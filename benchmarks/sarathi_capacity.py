@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.capacity import find_capacity, parse_rule
-from scheduler_service.sim.simulator import SimConfig, SimRun, simulate
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, SimRun, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
 from scheduler_service.sim.workloads import apply_arrivals, load_trace
 
@@ -43,7 +43,7 @@ def capacity(model: str, tp: int, trace: str, slo: str, policy: str, n: int, see
 
     def run_at(rate: float) -> SimRun:
         wl = apply_slo_profile(slo, apply_arrivals(base, "poisson", rate=rate, seed=seed), cm, seed)
-        run = simulate(SimConfig(policy=policy_spec(policy, slo), seed=seed), wl, cm)
+        run = simulate(SimConfig(policy=policy_spec(policy, slo), seed=seed, **PAPER_SETTING), wl, cm)
         run.config["rate"] = rate
         return run
 

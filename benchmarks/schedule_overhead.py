@@ -64,6 +64,7 @@ def build(policy: str, requests: list[TraceRequest], cost_model: CostModel, runn
         max_num_seqs=running,
         max_num_batched_tokens=8192,
         max_waiting=len(requests) + 1,
+        overlap=False,  # the scheduler stepped on its own, one step after the last
     )
     sched = build_cluster(spec).schedulers[0]
     for i, tr in enumerate(requests):

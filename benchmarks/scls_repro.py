@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.sim.simulator import SimConfig, Simulation
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, Simulation
 from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
 from sluice.contract.plan import StepPlan
 
@@ -117,7 +117,7 @@ class Probe:
 
 
 def run_one(wl: Workload, cm: CostModel, policy: str, router: str, workers: int, **extra: Any) -> dict[str, Any]:
-    cfg = SimConfig(policy=policy, router=router, num_workers=workers, max_tokens=MAX_LEN, **extra)
+    cfg = SimConfig(policy=policy, router=router, num_workers=workers, max_tokens=MAX_LEN, **{**PAPER_SETTING, **extra})
     sim = Simulation(cfg, wl, cm)
     probe = Probe(sim)
     run = sim.run()
@@ -273,7 +273,7 @@ def real_traces(cm: CostModel, args: argparse.Namespace, results: dict[str, Any]
         wl = load_trace(trace, num_requests=args.trace_requests, seed=args.seed)
         wl = apply_arrivals(wl, "poisson", rate=per_worker_rate[trace] * workers, seed=args.seed)
         policy, router = ROUTER_SYSTEMS[name]
-        cfg = SimConfig(policy=policy, router=router, num_workers=workers, seed=args.seed)
+        cfg = SimConfig(policy=policy, router=router, num_workers=workers, seed=args.seed, **PAPER_SETTING)
         sim = Simulation(cfg, wl, cm)
         probe = Probe(sim)
         run = sim.run()

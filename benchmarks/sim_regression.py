@@ -23,7 +23,7 @@ from tqdm import tqdm
 from scheduler_service import policies  # noqa: F401  (registers the policies)
 from scheduler_service.core.policy import POLICIES
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.sim.simulator import SimConfig, simulate
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
 from scheduler_service.sim.workloads import apply_arrivals, load_trace
 
@@ -53,6 +53,7 @@ def run_all(num_requests: int, prefix_caching: bool = True) -> dict[str, Any]:
             max_model_len=8192,
             length_source=lengths,
             prefix_caching=prefix_caching,
+            **PAPER_SETTING,
         )
         metrics = simulate(config, workload, cost_model).metrics
         metrics.pop("sched_overhead_ms", None)

@@ -304,7 +304,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             router=live.config.router,
             model=live.model,
             max_model_len=live.max_model_len,
-            max_waiting=live.config.max_waiting,
+            max_waiting=live.config.max_waiting or 0,  # 0: no bound
             block_size=live.block_size,
             workers=workers,
             max_prompt_tokens=live.limits.max_prompt_tokens,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -45,3 +47,58 @@ class SLOSpec:
 
 
 NO_SLO = SLOSpec()
+
+
+def request_tbt_slo(slo: SLOSpec, deployment_tbt_s: float | None) -> float | None:
+    """The TBT SLO a request is held to, live and simulated alike: its own, else the
+    deployment's (`Deployment.tbt_slo_s`); none for an offline-class request, which is judged
+    by its JCT alone and never constrains a step."""
+    if slo.effective_class is SLOClass.OFFLINE:
+        return None
+    return slo.tbt_s if slo.tbt_s is not None else deployment_tbt_s
+
+
+def tightest_tbt_slo(slos: Iterable[SLOSpec], deployment_tbt_s: float | None) -> float | None:
+    """The tightest TBT SLO among requests (`request_tbt_slo` of each): every request of a
+    batch waits for the same step, so the tightest one bounds it."""
+    values = [t for slo in slos if (t := request_tbt_slo(slo, deployment_tbt_s)) is not None]
+    return min(values) if values else deployment_tbt_s
+
+
+class TbtSloSet:
+    """The TBT SLOs of the requests a worker holds, kept as they arrive and leave, so a policy
+    reads the tightest in O(1) per step (few distinct values: a recount only when the tightest
+    one leaves)."""
+
+    def __init__(self, deployment_tbt_s: float | None) -> None:
+        self.deployment_tbt_s = deployment_tbt_s
+        self._count: Counter[float] = Counter()
+        self._held: dict[str, float] = {}
+        self.tightest: float | None = deployment_tbt_s
+
+    def add(self, request_id: str, slo: SLOSpec) -> bool:
+        """Counts the request's TBT SLO; True when the tightest changed."""
+        tbt = request_tbt_slo(slo, self.deployment_tbt_s)
+        if tbt is None or request_id in self._held:
+            return False
+        self._held[request_id] = tbt
+        self._count[tbt] += 1
+        # NOTE: while any request is held the tightest is the least of theirs (each resolved with
+        # the deployment's default already); with none held it is the deployment's
+        return self._set(tbt if len(self._held) == 1 or self.tightest is None else min(self.tightest, tbt))
+
+    def remove(self, request_id: str) -> bool:
+        """Forgets the request's TBT SLO; True when the tightest changed."""
+        tbt = self._held.pop(request_id, None)
+        if tbt is None:
+            return False
+        self._count[tbt] -= 1
+        if self._count[tbt]:
+            return False
+        del self._count[tbt]
+        return self._set(min(self._count) if self._count else self.deployment_tbt_s)
+
+    def _set(self, value: float | None) -> bool:
+        changed = value != self.tightest
+        self.tightest = value
+        return changed

@@ -2,6 +2,7 @@
 doubling then bisection (Sarathi-Serve section 5: capacity = the largest QPS with P99 TBT
 within the SLO and median scheduling delay at most 2 s).
 
+A rate at which the waiting bound (`max_waiting`) refused requests never holds.
 Rules: `sarathi` (P99 TBT <= the workload's TBT SLO and median queueing delay <= 2 s),
 `attainment:X` (request-level SLO attainment >= X), `p99_tbt:S`, `p99_ttft:S`,
 `norm_latency:S` (mean normalized latency <= S, the EconoServe/ALISE criterion).
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from scheduler_service.core.preemption import RejectReason
 from scheduler_service.sim.simulator import SimRun
 
 SCHEDULING_DELAY_LIMIT_S = 2.0
@@ -26,6 +28,8 @@ class SLORule:
         m, d = run.metrics, run.details
         if m["num_finished"] == 0:
             return False
+        if d.get("rejected_by_reason", {}).get(str(RejectReason.QUEUE_FULL)):
+            return False  # the waiting bound refused work: the rate is not sustained, whatever the rest saw
         if self.name == "sarathi":
             if tbt_slo_s is None:
                 raise ValueError("the sarathi rule needs TBT SLOs (use --slo-profile sarathi-strict or -relaxed)")

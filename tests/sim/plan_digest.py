@@ -152,10 +152,12 @@ def run_case(policy: str, trace: str, seed: int, overlap: bool) -> dict[str, Any
         max_model_len=8192,
         max_tokens=case.max_tokens,
         kv_gb=case.kv_gb,
-        swap_space_gb=1.0,
+        swap_space_gib=1.0,
         length_source=case.length_source,
         seed=seed,
         overlap=overlap,
+        max_waiting=None,  # the digests were recorded with unbounded queues and no offline queue
+        max_offline_waiting=0,
     )
     sim = Simulation(config, wl, cm)
     recorders: dict[int, _Recorder] = {}
