@@ -35,7 +35,7 @@ from scheduler_service.cluster.lengths import TableLengths
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
 from services.lengths import predictor_lengths
 from sluice.common.tokenizer import demo_tokenizer_path
 from sluice.contract.lengths import bucket_accuracy

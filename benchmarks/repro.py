@@ -60,9 +60,9 @@ from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, Simulation
 from scheduler_service.sim.slo_profiles import apply_slo_profile, econoserve_latencies
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
-from scheduler_service.sim.workloads.base import TraceRequest
-from scheduler_service.sim.workloads.synthetic import SYNTHETIC_WORKLOADS
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.workloads.base import TraceRequest
+from scheduler_service.workloads.synthetic import SYNTHETIC_WORKLOADS
 from services.lengths import (
     OnlinePredictorLengths,
     is_online_source,

@@ -42,7 +42,7 @@ from sluice.common.security import add_client_security_arguments, client_securit
 if TYPE_CHECKING:
     from scheduler_service.core.slo import SLOSpec
     from scheduler_service.sim.simulator import SimRun
-    from scheduler_service.sim.workloads import Workload
+    from scheduler_service.workloads import Workload
     from services.bench_openai import OpenAIBench
     from sluice.common.client import SluiceClient, Timings
 
@@ -354,7 +354,7 @@ def add_parser(sub: Any) -> None:
 
 def _workload(args: argparse.Namespace) -> Workload:
     from scheduler_service.core.slo import SLOSpec
-    from scheduler_service.sim.workloads import apply_arrivals, load_trace
+    from scheduler_service.workloads import apply_arrivals, load_trace
 
     workload = load_trace(args.trace, num_requests=args.num_requests, seed=args.seed)
     if args.concurrency is None and (args.rate is not None or not workload.has_arrivals):

@@ -23,7 +23,7 @@ import numpy as np
 
 from scheduler_service.cluster.lengths import LengthSource, TableLengths
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.sim.workloads import Workload
+from scheduler_service.workloads import Workload
 
 PREFIX = "predictor"
 ONLINE = "predictor-online"

@@ -11,7 +11,7 @@ import pytest
 from scheduler_service.core.metrics import METRIC_KEYS, MetricsRecorder
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.slo import NO_SLO, SLOSpec
-from scheduler_service.sim.workloads import load_trace
+from scheduler_service.workloads import load_trace
 from services.bench import (
     PROMPT_TOKEN_BASE,
     PROMPT_TOKEN_SPAN,

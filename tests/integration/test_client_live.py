@@ -15,7 +15,7 @@ import pytest
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
 from scheduler_service.server import SchedulerServer
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
+from scheduler_service.workloads import apply_arrivals, load_trace
 from services.bench import prepare_requests, run_requests, summarize
 from sluice.common.client import SluiceClient
 from worker_service.echo_engine import ECHO_FIRST_TOKEN, EchoEngine

@@ -489,7 +489,7 @@ async def test_queue_full_is_429_with_retry_after_queue_timeout_504_and_no_worke
 
 
 async def test_bench_openai_backend_counts_every_request_with_its_length_as_the_grpc_bench(stack: Stack) -> None:
-    from scheduler_service.sim.workloads import apply_arrivals, load_trace
+    from scheduler_service.workloads import apply_arrivals, load_trace
     from services.bench import prepare_requests, run_requests, summarize
     from services.bench_openai import OpenAIBench
 
