@@ -32,7 +32,7 @@ from predictor_service.data import load_samples
 from predictor_service.evaluate import select
 from predictor_service.metrics import point_metrics
 from predictor_service.predictor import LengthPredictor
-from scheduler_service.cluster.lengths import TableLengths
+from scheduler_service.cluster.length_sources import TableLengths
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, Simulation
 from scheduler_service.workloads import Workload, apply_arrivals

@@ -34,7 +34,7 @@ and prints markdown tables. `--length-source SRC` gives every system that reads 
 lengths (those not on `max_tokens`) SRC instead, labelled "system (SRC)", and writes
 `<out>/<paper>_<SRC>.json` and `..._<SRC>.png`; `predictor` is the real predictor on a trace
 with prompt text and, on a trace without (the papers' length generators), predictions drawn
-from the predictor's held-out error model (`services/lengths.py`). `--quick` (one seed, one
+from the predictor's held-out error model (`services/predictor_lengths.py`). `--quick` (one seed, one
 short run per system, one rate) is what the tests run.
 """
 
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from scheduler_service.cluster.lengths import LengthSource
+from scheduler_service.cluster.length_sources import LengthSource
 from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.request import Request
 from scheduler_service.core.slo import SLOClass, SLOSpec
@@ -63,7 +63,7 @@ from scheduler_service.sim.slo_profiles import apply_slo_profile, econoserve_lat
 from scheduler_service.workloads import Workload, apply_arrivals, load_trace
 from scheduler_service.workloads.base import TraceRequest
 from scheduler_service.workloads.synthetic import SYNTHETIC_WORKLOADS
-from services.lengths import (
+from services.predictor_lengths import (
     OnlinePredictorLengths,
     is_online_source,
     is_predictor_source,

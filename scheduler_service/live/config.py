@@ -37,7 +37,7 @@ class LiveConfig:
         None, "HOST:PORT of a length predictor service; none: the client's predicted length, else max_tokens"
     )
     predictor_timeout_ms: float = opt(
-        200.0, "an answer later than this is dropped; no request waits for it (scheduler_service/live/lengths.py)"
+        200.0, "an answer later than this is dropped; no request waits for it (live/predictor_link.py)"
     )
     predictor_model: str | None = opt(None, "the served model's name as the predictor knows it; none: the workers'")
     tbt_slo_s: float | None = opt(None, "the deployment's TBT SLO in seconds, for the policies that plan with one")

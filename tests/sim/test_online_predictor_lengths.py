@@ -12,7 +12,7 @@ from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, Simulation
 from scheduler_service.workloads import Workload, apply_arrivals, load_trace
-from services.lengths import OnlinePredictorLengths
+from services.predictor_lengths import OnlinePredictorLengths
 from sluice.common.tokenizer import demo_tokenizer_path
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler_service.cluster.lengths import LengthSource, TableLengths
+from scheduler_service.cluster.length_sources import LengthSource, TableLengths
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.workloads import Workload
 
@@ -125,7 +125,7 @@ def _from_text(model_dir: Path | None, workload: Workload, progress: bool) -> di
 
 def _from_error_model(model_dir: Path | None, workload: Workload, seed: int) -> dict[str, int]:
     from predictor_service import artefacts
-    from sluice.contract.lengths import LengthErrorModel
+    from sluice.contract.length_prediction import LengthErrorModel
 
     path = Path(model_dir or artefacts.default_model_dir()) / "error_model.json"
     errors = LengthErrorModel.load(path)

@@ -8,7 +8,7 @@ Cluster when a request is submitted (so the simulator and the live service share
                    answer, set at intake), else no prediction
     table          precomputed predictions by request id (a predictor run over a trace's prompts)
     online         the predictor at submission, its history learning each finished request's
-                   true length (services/lengths.py), as the live service's does
+                   true length (services/predictor_lengths.py), as the live service's does
 
 A request that already carries a prediction keeps it, so a request re-routed after a lost
 worker or a returned slice is never predicted twice.
