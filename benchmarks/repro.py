@@ -34,7 +34,7 @@ and prints markdown tables. `--length-source SRC` gives every system that reads 
 lengths (those not on `max_tokens`) SRC instead, labelled "system (SRC)", and writes
 `<out>/<paper>_<SRC>.json` and `..._<SRC>.png`; `predictor` is the real predictor on a trace
 with prompt text and, on a trace without (the papers' length generators), predictions drawn
-from the predictor's held-out error model (`services/predictor_lengths.py`). `--quick` (one seed, one
+from the predictor's held-out error model (`predictor_service/trace_lengths.py`). `--quick` (one seed, one
 short run per system, one rate) is what the tests run.
 """
 
