@@ -31,8 +31,8 @@ from scheduler_service.core.slo import SLOClass, SLOSpec
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile, econoserve_latencies
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
-from scheduler_service.sim.workloads.base import Workload
+from scheduler_service.workloads import apply_arrivals, load_trace
+from scheduler_service.workloads.base import Workload
 
 MODEL, HARDWARE, KV_GB, BLOCK = "opt-13b", "a100-80g", 12.0, 32
 MAX_OUTPUT = 2048

@@ -42,7 +42,7 @@ from tqdm import tqdm
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.capacity import find_capacity, parse_rule
 from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, SimRun, simulate
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
+from scheduler_service.workloads import apply_arrivals, load_trace
 
 SETUPS = [("opt-13b", "v100-32g"), ("opt-6.7b", "v100-32g"), ("opt-2.7b", "v100-32g"), ("opt-13b", "a100-80g")]
 WORKLOADS = ["econoserve-alpaca", "econoserve-sharegpt"]

@@ -47,7 +47,7 @@ from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.disagg_search import DISTSERVE_ATTAINMENT, cheapest_split, fewest_workers, goodput
 from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, SimRun, simulate
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from scheduler_service.cluster import ClusterSpec, WorkerSpec, build_cluster
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.sim.workloads import load_trace
+from scheduler_service.workloads import load_trace
 from sluice.contract.plan import StepResult
 from sluice.contract.sampling import SamplingParams
 

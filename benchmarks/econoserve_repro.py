@@ -37,8 +37,8 @@ from scheduler_service.costmodel.pivot import pivot_forward_size
 from scheduler_service.sim.capacity import find_capacity, parse_rule
 from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, SimRun, Simulation
 from scheduler_service.sim.slo_profiles import apply_slo_profile, econoserve_latencies
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
-from scheduler_service.sim.workloads.base import Workload
+from scheduler_service.workloads import apply_arrivals, load_trace
+from scheduler_service.workloads.base import Workload
 
 
 @dataclass(frozen=True)

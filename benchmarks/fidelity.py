@@ -44,10 +44,11 @@ from live_common import ROOT, spawn_worker
 from scheduler_service.costmodel.fitted import FittedCostModel
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
+from scheduler_service.loadgen.load import run_requests
+from scheduler_service.loadgen.requests import BenchRequest, RequestRecord, prepare_requests
 from scheduler_service.server import SchedulerServer
 from scheduler_service.sim.simulator import SimConfig, Simulation
-from scheduler_service.sim.workloads import TraceRequest, Workload, apply_arrivals, load_trace
-from services.bench import BenchRequest, RequestRecord, prepare_requests, run_requests
+from scheduler_service.workloads import TraceRequest, Workload, apply_arrivals, load_trace
 from sluice.common.client import SluiceClient
 from sluice.contract.profile import BatchShape
 

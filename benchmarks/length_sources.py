@@ -31,14 +31,14 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from scheduler_service.cluster.lengths import TableLengths
+from scheduler_service.cluster.length_sources import TableLengths
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
-from services.lengths import predictor_lengths
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
+from services.predictor_lengths import predictor_lengths
 from sluice.common.tokenizer import demo_tokenizer_path
-from sluice.contract.lengths import bucket_accuracy
+from sluice.contract.length_prediction import bucket_accuracy
 
 POLICIES = ("alise", "econoserve", "accelgen", "scls", "fastserve", "sls", "sarathi", "vllm")
 # never read a predicted length (scheduler_service/policies): run once, with the oracle, as references

@@ -43,7 +43,7 @@ from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.capacity import find_capacity, parse_rule
 from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, SimRun, Simulation, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
 
 MODEL, HARDWARE, MAX_TOKENS = "llama-3.1-8b", "h100-80g", 2048
 BASE = SimConfig(max_tokens=MAX_TOKENS, length_source="oracle", **PAPER_SETTING)

@@ -41,7 +41,7 @@ from predictor_service.encoder import size_features
 from predictor_service.evaluate import batch_predictions, evaluate, select
 from predictor_service.predictor import LengthPredictor
 from sluice.common.paths import data_file
-from sluice.contract.lengths import bucket_accuracy, length_bucket
+from sluice.contract.length_prediction import bucket_accuracy, length_bucket
 
 SHAREGPT = "prompts/sharegpt_v3_conversations.jsonl.gz"
 ALPACA = "prompts/alpaca_eval_outputs_32models.jsonl.gz"

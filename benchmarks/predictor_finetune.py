@@ -47,7 +47,7 @@ from predictor_service.encoder import PromptTokenizer, load_pooled_encoder, size
 from predictor_service.head import QUANTILE_LEVELS, build_head, head_loss
 from predictor_service.train import model_vocabulary
 from sluice.common.paths import data_file
-from sluice.contract.lengths import length_bucket
+from sluice.contract.length_prediction import length_bucket
 
 SOURCES = ("prompts/sharegpt_v3_conversations.jsonl.gz", "prompts/alpaca_eval_outputs_32models.jsonl.gz")
 LAYERS = 2  # the served encoder's depth

@@ -35,7 +35,7 @@ import numpy as np
 from predictor_service.data import OutputTokenCounter, Sample, load_samples, split_samples
 from predictor_service.encoder import PromptTokenizer, load_pooled_encoder, size_features
 from sluice.common.paths import data_file
-from sluice.contract.lengths import bucket_accuracy, length_bucket
+from sluice.contract.length_prediction import bucket_accuracy, length_bucket
 
 SOURCES = ("prompts/sharegpt_v3_conversations.jsonl.gz", "prompts/alpaca_eval_outputs_32models.jsonl.gz")
 NB = 10

@@ -32,12 +32,12 @@ from predictor_service.data import load_samples
 from predictor_service.evaluate import select
 from predictor_service.metrics import point_metrics
 from predictor_service.predictor import LengthPredictor
-from scheduler_service.cluster.lengths import TableLengths
+from scheduler_service.cluster.length_sources import TableLengths
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, Simulation
-from scheduler_service.sim.workloads import Workload, apply_arrivals
-from scheduler_service.sim.workloads.base import TraceRequest
-from scheduler_service.sim.workloads.tokens import make_token_counter
+from scheduler_service.workloads import Workload, apply_arrivals
+from scheduler_service.workloads.base import TraceRequest
+from scheduler_service.workloads.tokens import make_token_counter
 from sluice.common.paths import data_file
 from sluice.common.tokenizer import demo_tokenizer_path
 

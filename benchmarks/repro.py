@@ -34,7 +34,7 @@ and prints markdown tables. `--length-source SRC` gives every system that reads 
 lengths (those not on `max_tokens`) SRC instead, labelled "system (SRC)", and writes
 `<out>/<paper>_<SRC>.json` and `..._<SRC>.png`; `predictor` is the real predictor on a trace
 with prompt text and, on a trace without (the papers' length generators), predictions drawn
-from the predictor's held-out error model (`services/lengths.py`). `--quick` (one seed, one
+from the predictor's held-out error model (`predictor_service/trace_lengths.py`). `--quick` (one seed, one
 short run per system, one rate) is what the tests run.
 """
 
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from scheduler_service.cluster.lengths import LengthSource
+from scheduler_service.cluster.length_sources import LearningLengths, LengthSource
 from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.request import Request
 from scheduler_service.core.slo import SLOClass, SLOSpec
@@ -60,14 +60,13 @@ from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, Simulation
 from scheduler_service.sim.slo_profiles import apply_slo_profile, econoserve_latencies
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
-from scheduler_service.sim.workloads.base import TraceRequest
-from scheduler_service.sim.workloads.synthetic import SYNTHETIC_WORKLOADS
-from services.lengths import (
-    OnlinePredictorLengths,
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.workloads.base import TraceRequest
+from scheduler_service.workloads.synthetic import SYNTHETIC_WORKLOADS
+from services.predictor_lengths import (
     is_online_source,
     is_predictor_source,
-    model_dir_of,
+    online_predictor_lengths,
     predictor_lengths,
 )
 from sluice.common.tokenizer import demo_tokenizer_path
@@ -677,7 +676,7 @@ def run_one(claim: Claim, system: System, rate: float, seed: int, setup: Setup) 
     if is_predictor_source(system.length_source):
         table = predictor_lengths(system.length_source, wl, seed, progress=False)
     elif is_online_source(system.length_source):
-        table = OnlinePredictorLengths(model_dir_of(system.length_source), wl, progress=False)
+        table = online_predictor_lengths(system.length_source, wl, progress=False)
     kv_gb = claim.kv_gb
     if system.int8_kv:
         # NOTE: the same bytes at one byte per value: twice fp16's tokens (the claim fixes the bytes)
@@ -705,8 +704,8 @@ def run_one(claim: Claim, system: System, rate: float, seed: int, setup: Setup) 
         "lengths": full.config["length_source"],
     }
     row.update(steady_metrics(sim, setup.warmup * span))
-    if isinstance(table, OnlinePredictorLengths):
-        row["history_learned"] = table.num_observed  # finished requests the predictor's history took in
+    if isinstance(table, LearningLengths):
+        row["history_learned"] = table.predictor.num_observed  # finished requests the predictor's history took in
     fm = full.metrics
     row.update(
         kv_util_mean=fm["kv_util_mean"],

@@ -20,7 +20,7 @@ from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.capacity import find_capacity, parse_rule
 from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, SimRun, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
+from scheduler_service.workloads import apply_arrivals, load_trace
 
 SETUPS = [("mistral-7b", 1), ("yi-34b", 2)]
 TRACES = ["sharegpt", "arxiv"]

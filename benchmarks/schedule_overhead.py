@@ -32,8 +32,8 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import TraceRequest, load_trace
-from scheduler_service.sim.workloads.base import Workload
+from scheduler_service.workloads import TraceRequest, load_trace
+from scheduler_service.workloads.base import Workload
 from sluice.contract.plan import StepResult
 from sluice.contract.sampling import SamplingParams
 

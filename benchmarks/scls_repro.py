@@ -26,7 +26,7 @@ from tqdm import tqdm
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, Simulation
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
 from sluice.contract.plan import StepPlan
 
 MAX_LEN = 1024  # section 5.1: inputs truncated to 1024, generation limit 1024

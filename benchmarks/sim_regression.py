@@ -25,7 +25,7 @@ from scheduler_service.core.policy import POLICIES
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
+from scheduler_service.workloads import apply_arrivals, load_trace
 
 # (name, trace, rate or None for the trace's own arrivals, workers, router, length source, SLO profile)
 SCENARIOS = (

@@ -52,7 +52,7 @@ import json, sys, time
 from dataclasses import fields
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, simulate
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
+from scheduler_service.workloads import apply_arrivals, load_trace
 policy, n, rate, caching = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"
 cm = build_cost_model("analytic", "llama-2-7b", "a100-80g")
 wl = apply_arrivals(load_trace("sharegpt", num_requests=n), "poisson", rate=rate, seed=0)

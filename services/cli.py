@@ -43,7 +43,7 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """(workload config, cost model, the trace's requests, the length table or None) from the flags."""
     from scheduler_service.costmodel.factory import CostModelConfig
     from scheduler_service.sim.workload_config import WorkloadConfig
-    from services.lengths import is_predictor_source, predictor_lengths
+    from services.predictor_lengths import is_predictor_source, predictor_lengths
 
     workload_cfg = config_from(WorkloadConfig, args)
     cost_model = config_from(CostModelConfig, args).build()

@@ -48,6 +48,7 @@ from scheduler_service.policies.decisions import (
     skip_join_level,
     slo_class_rank,
 )
+from sluice.common.registry import Registry
 from sluice.contract.profile import BatchShape
 from sluice_vllm.config import PluginConfigError, build_options
 from sluice_vllm.hints import Hints
@@ -202,18 +203,17 @@ class PluginPolicy:
         those steps (`refresh_every()` steps)."""
 
 
-POLICIES: dict[str, type[PluginPolicy]] = {}
+POLICIES: Registry[type[PluginPolicy]] = Registry("plug-in policy")
 
 
 def register(cls: type[PluginPolicy]) -> type[PluginPolicy]:
-    POLICIES[cls.name] = cls
-    return cls
+    return POLICIES.add(cls.name, cls)
 
 
 def build_policy(name: str, options: dict[str, str], limits: Limits) -> PluginPolicy:
+    if name not in POLICIES:
+        raise PluginConfigError(f"SLUICE_VLLM_POLICY: unknown policy {name!r}; known: {', '.join(POLICIES.names())}")
     cls = POLICIES.get(name)
-    if cls is None:
-        raise PluginConfigError(f"SLUICE_VLLM_POLICY: unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
     return cls(build_options(cls.options_cls, options, name), limits)
 
 

@@ -17,7 +17,7 @@ sees the same `PolicyContext` fields live and simulated.
     tbt_slo_s                   the deployment's TBT SLO (sarathi's budget, AccelGen's pivot)
     int8_swap                   swapped KV is int8-compressed
     prefix_caching              computed full blocks are cached by prefix hash and shared
-    length_source               where predicted output lengths come from (cluster/lengths.py)
+    length_source               where predicted output lengths come from (cluster/length_sources.py)
     decode_router               picks the decode worker of a disaggregated cluster's requests
     int8_transfer               KV moved from a prefill to a decode worker is int8-compressed
     overlap                     a worker's next plan may be made while its step runs
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_service.cluster.lengths import LengthSource, MaxTokensLengths
+from scheduler_service.cluster.length_sources import LengthSource, MaxTokensLengths
 from scheduler_service.core.policy import PolicyContext
 from scheduler_service.core.scheduler import SchedulerConfig
 from scheduler_service.costmodel.base import CostModel

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -102,3 +102,45 @@ class TbtSloSet:
         changed = value != self.tightest
         self.tightest = value
         return changed
+
+
+@dataclass(frozen=True, slots=True)
+class SLOVerdict:
+    """Each objective's outcome: True met, False missed, None not judged (no such SLO, or no
+    gap between tokens to judge a TBT SLO by)."""
+
+    ttft_met: bool | None = None
+    tbt_met: bool | None = None
+    jct_met: bool | None = None
+
+    @property
+    def met(self) -> bool:
+        return self.ttft_met is not False and self.tbt_met is not False and self.jct_met is not False
+
+    @property
+    def missed(self) -> tuple[str, ...]:
+        """The objectives missed, by name ("ttft", "tbt", "jct")."""
+        outcomes = (("ttft", self.ttft_met), ("tbt", self.tbt_met), ("jct", self.jct_met))
+        return tuple(name for name, met in outcomes if met is False)
+
+
+def mean_token_gap(token_times: Sequence[float]) -> float | None:
+    """Mean gap between consecutive tokens (DistServe's TPOT); None below two tokens. The gaps
+    telescope, so it is the span over the number of gaps."""
+    n = len(token_times)
+    return (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else None
+
+
+def judge_slo(slo: SLOSpec, arrival_s: float, token_times: Sequence[float]) -> SLOVerdict:
+    """Whether a request that completed met its SLOs: the one rule of the simulator's metrics,
+    the live service's final timings and the benches. TTFT = first token - arrival, TBT = the
+    mean gap between tokens, JCT = last token - arrival. A request that ended without
+    completing (rejected, timed out, failed) has missed them; that is the caller's to say."""
+    if not token_times:
+        raise ValueError("judge_slo needs the token times of a completed request")
+    mean_gap = mean_token_gap(token_times)
+    return SLOVerdict(
+        ttft_met=None if slo.ttft_s is None else token_times[0] - arrival_s <= slo.ttft_s,
+        tbt_met=None if slo.tbt_s is None or mean_gap is None else mean_gap <= slo.tbt_s,
+        jct_met=None if slo.jct_s is None else token_times[-1] - arrival_s <= slo.jct_s,
+    )

@@ -26,7 +26,7 @@ class LiveConfig(Deployment):
         None, "HOST:PORT of a length predictor service; none: the client's predicted length, else max_tokens"
     )
     predictor_timeout_ms: float = opt(
-        200.0, "an answer later than this is dropped; no request waits for it (scheduler_service/live/lengths.py)"
+        200.0, "an answer later than this is dropped; no request waits for it (live/predictor_link.py)"
     )
     predictor_model: str | None = opt(None, "the served model's name as the predictor knows it; none: the workers'")
     profile: str | None = opt(None, "a `sluice profile` JSON of the workers: the fitted cost model; none: analytic")

@@ -36,7 +36,7 @@ from dataclasses import asdict
 
 from scheduler_service.cluster import ClusterSpec, DisaggCluster, WorkerSpec, build_cluster
 from scheduler_service.cluster.deployment import cluster_spec as deployment_cluster_spec
-from scheduler_service.cluster.lengths import GivenLengths
+from scheduler_service.cluster.length_sources import GivenLengths
 from scheduler_service.core.admission import (
     ADMITTED,
     COLD_SEQS,
@@ -58,9 +58,9 @@ from scheduler_service.costmodel.factory import build_worker_cost_model
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.discovery import WorkerDiscovery
 from scheduler_service.live.intake import Limits, build_request, check_id, check_request, slo_of
-from scheduler_service.live.lengths import PredictorLink
 from scheduler_service.live.loop import WorkerLoop
 from scheduler_service.live.observe import LiveMetrics
+from scheduler_service.live.predictor_link import PredictorLink
 from scheduler_service.live.remote import RemoteWorker, WarmupOptions, WorkerCapacity, WorkerLost
 from scheduler_service.live.stream import RequestStream
 from scheduler_service.live.transfers import KVTransfers

@@ -45,7 +45,7 @@ from scheduler_service.sim.executor import SIM_EOS, SimulatedExecutor
 from scheduler_service.sim.network import NETWORKS, gpu_family, load_network
 from scheduler_service.sim.swap_costs import swap_costs
 from scheduler_service.sim.transfer import SimulatedTransfers
-from scheduler_service.sim.workloads.base import TraceRequest, Workload
+from scheduler_service.workloads.base import TraceRequest, Workload
 from sluice.common.config import cli_name, opt
 from sluice.contract.limits import DEFAULT_BLOCK_SIZE
 from sluice.contract.plan import KVTransferResult, StepResult

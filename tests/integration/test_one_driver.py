@@ -29,7 +29,7 @@ from scheduler_service.policies.econoserve.policy import EconoServePolicy
 from scheduler_service.policies.sarathi.policy import SarathiPolicy
 from scheduler_service.server import SchedulerServer
 from scheduler_service.sim.simulator import SimConfig, Simulation
-from scheduler_service.sim.workloads import TraceRequest, Workload
+from scheduler_service.workloads import TraceRequest, Workload
 from sluice.common.client import SluiceClient
 from sluice.contract.plan import StepPlan, StepResult
 from sluice.contract.profile import BatchShape

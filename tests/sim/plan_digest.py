@@ -140,7 +140,7 @@ def run_case(policy: str, trace: str, seed: int, overlap: bool) -> dict[str, Any
     from scheduler_service.costmodel.factory import build_cost_model
     from scheduler_service.sim.simulator import SimConfig, Simulation
     from scheduler_service.sim.slo_profiles import apply_slo_profile
-    from scheduler_service.sim.workloads import apply_arrivals, load_trace
+    from scheduler_service.workloads import apply_arrivals, load_trace
 
     case = CASES[trace]
     cm = build_cost_model("analytic", "llama-2-7b", "a100-80g")

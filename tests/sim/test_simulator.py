@@ -13,7 +13,7 @@ from scheduler_service.core.metrics import METRIC_KEYS
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, simulate
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
 from services.cli import main
 
 

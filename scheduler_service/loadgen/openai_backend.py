@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from services.bench import RequestRecord
+    from scheduler_service.loadgen.requests import RequestRecord
 
 HTTP_TO_GRPC = {
     400: "INVALID_ARGUMENT",
