@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler_service.cluster.lengths import LengthSource
+from scheduler_service.cluster.length_sources import LengthSource
 from scheduler_service.cluster.spec import ClusterSpec, WorkerSpec
 from scheduler_service.costmodel.base import CostModel
 from sluice.common.config import opt

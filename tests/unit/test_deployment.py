@@ -22,7 +22,7 @@ from scheduler_service.live.service import cluster_spec as live_cluster_spec
 from scheduler_service.policies.sarathi.policy import SarathiPolicy, budget_from_tbt_slo
 from scheduler_service.sim.capacity import parse_rule
 from scheduler_service.sim.simulator import SimConfig, Simulation
-from scheduler_service.sim.workloads import TraceRequest, Workload
+from scheduler_service.workloads import TraceRequest, Workload
 
 MODEL, HARDWARE = "llama-2-7b", "a100-80g"
 
