@@ -48,11 +48,14 @@ POLICIES = [
 
 # What one subprocess runs: a simulation of the trace, timed, its counts printed as JSON.
 _CHILD = """
-import json, sys, time
+import json, os, sys, time
 from dataclasses import fields
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, simulate
-from scheduler_service.workloads import apply_arrivals, load_trace
+if os.path.isdir("scheduler_service/workloads"):  # the tree in the working directory decides
+    from scheduler_service.workloads import apply_arrivals, load_trace
+else:  # a tree from before the workloads left sim/
+    from scheduler_service.sim.workloads import apply_arrivals, load_trace
 policy, n, rate, caching = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"
 cm = build_cost_model("analytic", "llama-2-7b", "a100-80g")
 wl = apply_arrivals(load_trace("sharegpt", num_requests=n), "poisson", rate=rate, seed=0)
