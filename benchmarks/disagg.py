@@ -44,8 +44,8 @@ from scheduler_service.core.slo import SLOClass, SLOSpec
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.disagg_search import DISTSERVE_ATTAINMENT, cheapest_split, fewest_workers, goodput
-from scheduler_service.sim.simulator import SimConfig, SimRun, simulate
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, SimRun, simulate
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
 from sluice_bench.options import Parallelism, add_parallel_options
 from sluice_bench.report import format_table, write_json
 from sluice_bench.sweep import run_tasks
@@ -94,7 +94,9 @@ def base_workload(name: str, n: int, ttft_scale: float, tbt_scale: float, which:
 
 def config_for(name: str, kind: str, prefill: int, decode: int, gpus: int, network: str = "nvlink") -> SimConfig:
     setup = TRACES[name]
-    base = SimConfig(max_tokens=setup.max_tokens, length_source="oracle", router="least_work", network=network)
+    base = SimConfig(
+        max_tokens=setup.max_tokens, length_source="oracle", router="least_work", network=network, **PAPER_SETTING
+    )
     if kind == "disagg":
         return replace(base, policy="vllm", prefill_workers=prefill, decode_workers=decode)
     return replace(base, policy=kind, num_workers=gpus)

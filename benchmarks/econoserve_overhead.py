@@ -21,7 +21,7 @@ from scheduler_service.cluster import ClusterSpec, WorkerSpec, build_cluster
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.sim.workloads import load_trace
+from scheduler_service.workloads import load_trace
 from sluice.contract.plan import StepResult
 from sluice.contract.sampling import SamplingParams
 from sluice_bench.options import benchmark_parser
@@ -82,6 +82,7 @@ def build(policy: str) -> Scheduler:
         max_num_seqs=RUNNING,
         max_num_batched_tokens=8192,
         max_waiting=20_000,
+        overlap=False,  # the scheduler stepped on its own, one step after the last
     )
     return build_cluster(spec).schedulers[0]
 

@@ -39,10 +39,11 @@ import numpy as np
 from scheduler_service.costmodel.fitted import FittedCostModel
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
+from scheduler_service.loadgen.load import run_requests
+from scheduler_service.loadgen.requests import BenchRequest, RequestRecord, prepare_requests
 from scheduler_service.server import SchedulerServer
 from scheduler_service.sim.simulator import SimConfig, Simulation
-from scheduler_service.sim.workloads import TraceRequest, Workload, apply_arrivals, load_trace
-from services.bench import BenchRequest, RequestRecord, prepare_requests, run_requests
+from scheduler_service.workloads import TraceRequest, Workload, apply_arrivals, load_trace
 from sluice.common.client import SluiceClient
 from sluice.contract.profile import BatchShape
 from sluice_bench.live import ROOT, spawn_worker
@@ -151,7 +152,7 @@ def run_sim(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        swap_space_gb=0.0,
+        swap_space_gib=0.0,
         length_source="max_tokens",
         step_overhead_s=overhead[0],
         seq_overhead_s=overhead[1],
@@ -160,6 +161,7 @@ def run_sim(
         # steps still showed (wall minus the cost model's price): it is already the part overlap
         # did not hide, so the simulator must not hide it again.
         overlap=args.overlap,
+        max_waiting=10_000,  # as the live run
         overlap_hides_overhead=False,
     )
     sim = Simulation(config, Workload("fidelity", trace), cost_model)

@@ -7,7 +7,7 @@ CPU per streamed token.
                                     <- gRPC <- `sluice gateway` process <- HTTP <- this process
                                                                             (OpenAIBench, aiohttp)
 
-Scenarios (requests sent as `sluice bench` sends them, by services/bench.run_requests):
+Scenarios (requests sent as `sluice bench` sends them, by scheduler_service/loadgen/load.run_requests):
     paired       one request at a time (16 tokens), alternately over each path, the order
                  flipping every pair: the median of the per-pair TTFT differences
     demo         the load of `sluice serve --demo` (40 requests of azure-conv over 8 s, prompts
@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from scheduler_service.core.slo import NO_SLO, SLOSpec
-from services.bench import BenchRequest, RequestRecord, run_requests, summarize, synthetic_prompt
-from services.bench import _send as send_grpc
-from services.bench_openai import OpenAIBench
+from scheduler_service.loadgen.load import run_requests, send_grpc
+from scheduler_service.loadgen.measure import summarize
+from scheduler_service.loadgen.openai_backend import OpenAIBench
+from scheduler_service.loadgen.requests import BenchRequest, RequestRecord, synthetic_prompt
 from sluice.common.client import SluiceClient
 from sluice_bench.live import WorkerProcess, spawn_service, spawn_worker
 from sluice_bench.options import benchmark_parser

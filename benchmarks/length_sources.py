@@ -29,14 +29,14 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from scheduler_service.cluster.lengths import TableLengths
+from scheduler_service.cluster.length_sources import TableLengths
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.sim.simulator import SimConfig, simulate
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
-from services.lengths import predictor_lengths
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
+from services.predictor_lengths import predictor_lengths
 from sluice.common.tokenizer import demo_tokenizer_path
-from sluice.contract.lengths import bucket_accuracy
+from sluice.contract.length_prediction import bucket_accuracy
 from sluice_bench.options import SERIAL, Parallelism, add_common_options, benchmark_parser, seed_list
 from sluice_bench.report import format_table, write_json
 from sluice_bench.sweep import run_tasks
@@ -98,6 +98,7 @@ def run_one(workload: Workload, table: TableLengths, policy: str, source: str, s
         max_model_len=4096,
         length_source=source if source != "predictor" else "oracle",
         seed=seed,
+        **PAPER_SETTING,
     )
     return simulate(config, workload, cost_model, table if source == "predictor" else None)
 

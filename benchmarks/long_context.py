@@ -39,15 +39,15 @@ from scheduler_service.core.policy import POLICIES
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.capacity import find_capacity, parse_rule
-from scheduler_service.sim.simulator import SimConfig, SimRun, Simulation, simulate
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, SimRun, Simulation, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
 from sluice_bench.options import Parallelism, add_parallel_options, benchmark_parser
 from sluice_bench.report import print_table, write_json
 from sluice_bench.sweep import run_tasks
 
 MODEL, HARDWARE, MAX_TOKENS = "llama-3.1-8b", "h100-80g", 2048
-BASE = SimConfig(max_tokens=MAX_TOKENS, length_source="oracle")
+BASE = SimConfig(max_tokens=MAX_TOKENS, length_source="oracle", **PAPER_SETTING)
 PARTS = ("prefix", "policies", "capacity", "routers")
 MULTITURN_RATES = (4.0, 8.0, 12.0, 16.0, 20.0, 22.0, 24.0)  # one worker; without caching vllm saturates near 22
 

@@ -40,7 +40,7 @@ from predictor_service.encoder import size_features
 from predictor_service.evaluate import batch_predictions, evaluate, select
 from predictor_service.predictor import LengthPredictor
 from sluice.common.paths import data_file
-from sluice.contract.lengths import bucket_accuracy, length_bucket
+from sluice.contract.length_prediction import bucket_accuracy, length_bucket
 from sluice_bench.options import benchmark_parser
 from sluice_bench.report import write_json
 

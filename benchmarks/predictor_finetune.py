@@ -45,7 +45,7 @@ from predictor_service.encoder import PromptTokenizer, load_pooled_encoder, size
 from predictor_service.head import QUANTILE_LEVELS, build_head, head_loss
 from predictor_service.train import model_vocabulary
 from sluice.common.paths import data_file
-from sluice.contract.lengths import length_bucket
+from sluice.contract.length_prediction import length_bucket
 from sluice_bench.options import benchmark_parser
 from sluice_bench.report import format_table, write_json
 

@@ -33,7 +33,7 @@ import numpy as np
 from predictor_service.data import OutputTokenCounter, Sample, load_samples, split_samples
 from predictor_service.encoder import PromptTokenizer, load_pooled_encoder, size_features
 from sluice.common.paths import data_file
-from sluice.contract.lengths import bucket_accuracy, length_bucket
+from sluice.contract.length_prediction import bucket_accuracy, length_bucket
 from sluice_bench.options import benchmark_parser
 from sluice_bench.report import write_json
 

@@ -30,12 +30,12 @@ from predictor_service.data import load_samples
 from predictor_service.evaluate import select
 from predictor_service.metrics import point_metrics
 from predictor_service.predictor import LengthPredictor
-from scheduler_service.cluster.lengths import TableLengths
+from scheduler_service.cluster.length_sources import TableLengths
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.sim.simulator import SimConfig, Simulation
-from scheduler_service.sim.workloads import Workload, apply_arrivals
-from scheduler_service.sim.workloads.base import TraceRequest
-from scheduler_service.sim.workloads.tokens import make_token_counter
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, Simulation
+from scheduler_service.workloads import Workload, apply_arrivals
+from scheduler_service.workloads.base import TraceRequest
+from scheduler_service.workloads.tokens import make_token_counter
 from sluice.common.paths import data_file
 from sluice.common.tokenizer import demo_tokenizer_path
 from sluice_bench.options import Parallelism, add_parallel_options, benchmark_parser
@@ -75,7 +75,9 @@ def trace_of(texts: list[str], true: np.ndarray, rate: float, seed: int) -> Work
 def schedule(wl: Workload, table: dict[str, int] | None, system: str) -> dict[str, Any]:
     policy, extra, kv_gb = SYSTEMS[system]
     cm = build_cost_model("analytic", "opt-13b", "a100-80g")
-    cfg = replace(SimConfig(policy=policy, kv_gb=kv_gb, block_size=16, length_source="oracle"), **extra)
+    cfg = replace(
+        SimConfig(policy=policy, kv_gb=kv_gb, block_size=16, length_source="oracle", **PAPER_SETTING), **extra
+    )
     run = Simulation(cfg, wl, cm, TableLengths(table) if table is not None else None).run()
     m = run.metrics
     return {

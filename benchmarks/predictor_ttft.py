@@ -17,7 +17,7 @@ the predictor, measured side by side in one run (target: at most 2% added to TTF
     -> per mode: TTFT p50 and mean (median over rounds), answers applied in time, the
        predictor's CPU seconds; and the paired per-round ratio against `without`
 
-The scheduler never waits for the predictor (scheduler_service/live/lengths.py): what this
+The scheduler never waits for the predictor (scheduler_service/live/predictor_link.py): what this
 measures is the rest, the predictor's CPU time on a machine the workers share (it runs at the
 niceness `sluice serve` gives it), the extra RPCs on the scheduler's event loop, and re-filing
 requests when answers come.

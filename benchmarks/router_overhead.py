@@ -17,7 +17,7 @@ from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.policies.scls.batcher import dp_batches
 from scheduler_service.policies.scls.estimator import MemoryEstimator, ServingTimeEstimator
 from scheduler_service.routers import RouterContext, WorkerLoad, build_router
-from scheduler_service.sim.workloads import load_trace
+from scheduler_service.workloads import load_trace
 from sluice.contract.sampling import SamplingParams
 from sluice_bench.options import benchmark_parser
 from sluice_bench.report import print_table

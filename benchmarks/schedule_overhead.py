@@ -31,8 +31,8 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import TraceRequest, load_trace
-from scheduler_service.sim.workloads.base import Workload
+from scheduler_service.workloads import TraceRequest, load_trace
+from scheduler_service.workloads.base import Workload
 from sluice.contract.plan import StepResult
 from sluice.contract.sampling import SamplingParams
 from sluice_bench.options import benchmark_parser
@@ -64,6 +64,7 @@ def build(policy: str, requests: list[TraceRequest], cost_model: CostModel, runn
         max_num_seqs=running,
         max_num_batched_tokens=8192,
         max_waiting=len(requests) + 1,
+        overlap=False,  # the scheduler stepped on its own, one step after the last
     )
     sched = build_cluster(spec).schedulers[0]
     for i, tr in enumerate(requests):

@@ -21,9 +21,9 @@ from typing import Any
 from scheduler_service import policies  # noqa: F401  (registers the policies)
 from scheduler_service.core.policy import POLICIES
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.sim.simulator import SimConfig, simulate
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, simulate
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
+from scheduler_service.workloads import apply_arrivals, load_trace
 from sluice_bench.options import SERIAL, Parallelism, add_parallel_options, benchmark_parser
 from sluice_bench.report import print_table, write_json
 from sluice_bench.sweep import run_tasks
@@ -52,6 +52,7 @@ def run_scenario(scenario: tuple, policy: str, num_requests: int, prefix_caching
         max_model_len=8192,
         length_source=lengths,
         prefix_caching=prefix_caching,
+        **PAPER_SETTING,
     )
     metrics = simulate(config, workload, cost_model).metrics
     metrics.pop("sched_overhead_ms", None)

@@ -50,15 +50,25 @@ POLICIES = [
 
 # What one subprocess runs: a simulation of the trace, timed, its counts printed as JSON.
 _CHILD = """
-import json, sys, time
+import json, os, sys, time
+from dataclasses import fields
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, simulate
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
+if os.path.isdir("scheduler_service/workloads"):  # the tree in the working directory decides
+    from scheduler_service.workloads import apply_arrivals, load_trace
+else:  # a tree from before the workloads left sim/
+    from scheduler_service.sim.workloads import apply_arrivals, load_trace
 policy, n, rate, caching = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"
 cm = build_cost_model("analytic", "llama-2-7b", "a100-80g")
 wl = apply_arrivals(load_trace("sharegpt", num_requests=n), "poisson", rate=rate, seed=0)
+# the papers' setting, spelt so that every tree understands it (steps one after another, queues
+# without bound, 16 GiB of swap, no offline queue)
+names = {f.name for f in fields(SimConfig)}
+setting = {"overlap": False, "max_waiting": 1_000_000}
+setting["swap_space_gib" if "swap_space_gib" in names else "swap_space_gb"] = 16.0
+setting.update({"max_offline_waiting": 0} if "max_offline_waiting" in names else {})
 t0, c0 = time.perf_counter(), time.process_time()
-run = simulate(SimConfig(policy=policy, max_model_len=8192, prefix_caching=caching), wl, cm)
+run = simulate(SimConfig(policy=policy, max_model_len=8192, prefix_caching=caching, **setting), wl, cm)
 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
 counts = {"steps": run.details["num_steps"], "finished": run.metrics["num_finished"]}
 print(json.dumps({"wall": wall, "cpu": cpu, **counts}))

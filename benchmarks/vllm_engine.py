@@ -5,6 +5,10 @@
     (b) sluice+vllm   `sluice serve --engine vllm --policy vllm --workers 1` (a scheduler process, a
                  worker process hosting vLLM's worker and model runner), over gRPC
     (c) sluice+torch  `sluice serve --engine torch --policy vllm --workers 1`
+    vllm-serve   `vllm serve` (the CPU build through sluice_vllm.launcher), online through its
+                 OpenAI HTTP API: (a) as its users serve it
+    sluice+vllm-http  (b) through Sluice's OpenAI gateway (`sluice serve --http-port 0`), the same
+                 HTTP client as vllm-serve: the whole serving stack against vLLM's
 
 Same requests (seeded prompt and output lengths, random token ids, EOS ignored, greedy), one
 torch thread in every engine, the same KV blocks (vLLM's plus its null block) and block size.
@@ -40,6 +44,8 @@ from sluice_bench.report import format_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"sluice scheduler listening on ([\d.]+):(\d+)")
+GATEWAY = re.compile(r"sluice OpenAI API at (http://[\d.]+:\d+/v1)")
+HTTP_ENGINES = ("vllm-serve", "sluice+vllm-http")  # online only: served over OpenAI HTTP
 BLOCK = 32
 
 
@@ -138,9 +144,17 @@ class VllmAlone:
 
 class SluiceServe:
     def __init__(
-        self, engine: str, model: str, dtype: str, num_blocks: int, compile_model: bool, policy: str = "vllm"
+        self,
+        engine: str,
+        model: str,
+        dtype: str,
+        num_blocks: int,
+        compile_model: bool,
+        policy: str = "vllm",
+        http: bool = False,
     ) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", "--port", "0", "--workers", "1", "--engine", engine]
+        cmd += ["--http-port", "0"] if http else []
         cmd += ["--model", model, "--dtype", dtype, "--num-gpu-blocks", str(num_blocks), "--worker-threads", "1"]
         cmd += ["--policy", policy, "--no-start-predictor", "--connect-timeout-s", "300"]
         cmd += [] if compile_model else ["--no-vllm-compile"]
@@ -150,12 +164,17 @@ class SluiceServe:
             cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True
         )
         assert self.proc.stdout is not None
+        self.address = self.base_url = ""
         for line in self.proc.stdout:
             if match := LISTENING.search(line):
                 self.address = f"{match.group(1)}:{match.group(2)}"
+            if match := GATEWAY.search(line):
+                self.base_url = match.group(1)
+            if self.address and (self.base_url or not http):
                 break
         else:
             raise RuntimeError(f"sluice serve --engine {engine} exited ({self.proc.wait()}) before listening")
+        self.http = http
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -165,7 +184,10 @@ class SluiceServe:
             self.proc.kill()
 
     def run(self, jobs: Sequence[Job], online: bool) -> dict[str, float]:
-        traces = asyncio.run(self.traces(jobs, online))
+        if self.http:
+            traces = asyncio.run(http_traces(self.base_url, None, jobs, online, f"{self.engine}-{time.time()}"))
+        else:
+            traces = asyncio.run(self.traces(jobs, online))
         stats = summarize(traces)
         return stats if online else {"output_tok_s": stats["output_tok_s"]}
 
@@ -196,6 +218,91 @@ class SluiceServe:
                 return trace
 
             return list(await asyncio.gather(*(one(i, j) for i, j in enumerate(jobs))))
+
+
+# ---------------------------------------------------------------- over OpenAI HTTP
+
+
+async def http_traces(base_url: str, model: str | None, jobs: Sequence[Job], online: bool, tag: str) -> list[Trace]:
+    """The jobs sent to an OpenAI-compatible server by the bench's own client (streamed
+    completions, token-id prompts, greedy, EOS ignored; `return_token_ids` so a server without a
+    tokenizer still reports each token in its own chunk)."""
+    from scheduler_service.core.slo import NO_SLO
+    from scheduler_service.loadgen.openai_backend import OpenAIBench
+    from scheduler_service.loadgen.requests import BenchRequest, RequestRecord
+
+    async with OpenAIBench(base_url, model=model, token_ids=True) as bench:
+        await bench.describe(max_model_len=4096)
+        start = time.perf_counter()
+
+        async def one(i: int, job: Job) -> Trace:
+            if online:
+                await asyncio.sleep(max(0.0, start + job.arrival_s - time.perf_counter()))
+            request = BenchRequest(f"{tag}-{i}", job.arrival_s, tuple(job.prompt), len(job.prompt), job.max_tokens,
+                                   NO_SLO, ignore_eos=True)  # fmt: skip
+            record = RequestRecord(request)
+            t0 = time.perf_counter()
+            await bench.send(record, t0, timeout=600.0)
+            if record.error_code:
+                raise RuntimeError(f"{base_url}: request {i} failed: {record.error_code} {record.message}")
+            return Trace(t0, [t0 + t for t in record.token_times])
+
+        return list(await asyncio.gather(*(one(i, j) for i, j in enumerate(jobs))))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class VllmServe:
+    """`vllm serve` of the same model, KV blocks, block size and one compute thread (its engine
+    core bound to one CPU), its default (FCFS) scheduler, prefix caching off as in (a)."""
+
+    def __init__(self, model_dir: str, dtype: str, num_blocks: int, compile_model: bool) -> None:
+        port = free_port()
+        cmd = [sys.executable, "-m", "sluice_vllm.launcher", "serve", model_dir, "--load-format", "dummy",
+               "--skip-tokenizer-init", "--dtype", dtype, "--block-size", str(BLOCK),
+               "--num-gpu-blocks-override", str(num_blocks + 1), "--gpu-memory-utilization", "0.2",
+               "--no-enable-prefix-caching", "--seed", "0", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        cmd += [] if compile_model else ["--enforce-eager"]
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
+        self.log = open(os.devnull, "w")  # noqa: SIM115  (open for the process's lifetime)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        self.model = model_dir
+        deadline = time.monotonic() + 600
+        while not self._ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}) before answering")
+            if time.monotonic() > deadline:
+                raise RuntimeError("vllm serve did not answer within 600 s")
+            time.sleep(1.0)
+
+    def _ready(self) -> bool:
+        import urllib.error
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(self.base_url + "/models", timeout=5).read()
+            return True
+        except (urllib.error.URLError, ConnectionError):
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+    def run(self, jobs: Sequence[Job], online: bool) -> dict[str, float]:
+        stats = summarize(asyncio.run(http_traces(self.base_url, self.model, jobs, online, "vllm-serve")))
+        return stats if online else {"output_tok_s": stats["output_tok_s"]}
 
 
 # ---------------------------------------------------------------- every policy on (b)
@@ -259,7 +366,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks of 32 tokens for every engine")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--online-rounds", type=int, default=1)
-    p.add_argument("--engines", default="vllm,sluice+vllm,sluice+torch")
+    p.add_argument(
+        "--engines",
+        default="vllm,sluice+vllm,sluice+torch",
+        help="of vllm, sluice+vllm, sluice+torch, and over OpenAI HTTP (online only) vllm-serve, sluice+vllm-http",
+    )
     p.add_argument("--no-compile", action="store_true", help="vLLM eager in (a) and (b) (its default compiles)")
     p.add_argument("--json", help="write the per-round results here")
     p.add_argument(
@@ -287,9 +398,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in names:
             if name == "vllm":
                 runners[name] = VllmAlone(model_directory(args.model), args.dtype, args.num_blocks, compile_model)
+            elif name == "vllm-serve":
+                runners[name] = VllmServe(model_directory(args.model), args.dtype, args.num_blocks, compile_model)
             else:
-                engine = name.split("+")[1]
-                runners[name] = SluiceServe(engine, args.model, args.dtype, args.num_blocks, compile_model)
+                engine = name.split("+")[1].removesuffix("-http")
+                runners[name] = SluiceServe(
+                    engine, args.model, args.dtype, args.num_blocks, compile_model, http=name.endswith("-http")
+                )
         warm = make_jobs(4, vocab, None, seed=9)
         for name, runner in runners.items():  # first steps (compilation, allocator) are not measured
             runner.offline(warm) if name == "vllm" else runner.run(warm, online=False)  # type: ignore[attr-defined]
@@ -303,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     continue
                 row: dict[str, object] = {"round": r, "mode": mode}
                 for name in names if r % 2 == 0 else list(reversed(names)):
+                    if mode == "offline" and name in HTTP_ENGINES:
+                        continue  # NOTE: offline throughput is (a) LLM.generate's; HTTP runs are online
                     runner = runners[name]
                     if name == "vllm":
                         stats = runner.offline(jobs) if mode == "offline" else runner.online(jobs)  # type: ignore[attr-defined]
@@ -315,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results.append(row)
     finally:
         for runner in runners.values():
-            if isinstance(runner, SluiceServe):
+            if isinstance(runner, SluiceServe | VllmServe):
                 runner.stop()
     report(results, names)
     if args.json:
@@ -324,15 +441,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def report(results: list[dict[str, object]], names: Sequence[str]) -> None:
-    if "vllm" not in names:
-        return
+    """Each engine as a ratio to its reference within the round: (a) in-process for the gRPC
+    and in-process runs, `vllm serve` for the runs over OpenAI HTTP."""
     for mode, key, better in (("offline", "output_tok_s", "higher"), ("online", "tbt_p50_ms", "lower")):
         rows = [r for r in results if r["mode"] == mode]
         for name in names:
-            if name == "vllm" or not rows:
+            reference = "vllm-serve" if name in HTTP_ENGINES else "vllm"
+            if name == reference or reference not in names or not rows or name not in rows[0]:
                 continue
-            ratios = [r[name][key] / r["vllm"][key] for r in rows]  # type: ignore[index]
-            print(f"{mode} {key} {name}/vllm: median {statistics.median(ratios):.3f} "
+            ratios = [r[name][key] / r[reference][key] for r in rows]  # type: ignore[index]
+            print(f"{mode} {key} {name}/{reference}: median {statistics.median(ratios):.3f} "
                   f"(rounds {', '.join(f'{x:.3f}' for x in ratios)}; {better} is better)")  # fmt: skip
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scheduler_service.core.slo import SLOSpec, judge_slo
 from sluice_bench.options import benchmark_parser
 from sluice_bench.report import write_json
 from sluice_bench.vllm_plugin_harness import TINY_MODEL
@@ -166,6 +167,13 @@ def make_trace(rate: float, n: int, seed: int) -> list[TraceItem]:
     return items
 
 
+def slo_of(item: TraceItem) -> SLOSpec:
+    """The SLOs the request carries: online ones by TTFT and TBT, offline ones by JCT."""
+    if item.online:
+        return SLOSpec(ttft_s=item.xargs["ttft_ms"] / 1e3, tbt_s=item.xargs["tbt_ms"] / 1e3)
+    return SLOSpec(jct_s=item.xargs["jct_ms"] / 1e3)
+
+
 @dataclass
 class Result:
     rid: str
@@ -232,14 +240,7 @@ def summarize(trace: list[TraceItem], results: list[Result], wall_s: float) -> d
     ttft = [r.token_times[0] - r.sent for r in ok]
     tbt = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
     norm = [(r.token_times[-1] - r.sent) / by_id[r.rid].out for r in ok]
-    good = 0
-    for r in ok:
-        it = by_id[r.rid]
-        if not it.online:
-            good += (r.token_times[-1] - r.sent) <= it.xargs["jct_ms"] / 1e3
-            continue
-        gaps = [b - a for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
-        good += (r.token_times[0] - r.sent) <= TTFT_SLO_S and (not gaps or statistics.mean(gaps) <= TBT_SLO_S)
+    good = sum(judge_slo(slo_of(by_id[r.rid]), r.sent, r.token_times).met for r in ok)
     short = [(r.token_times[-1] - r.sent) / by_id[r.rid].out for r in ok if by_id[r.rid].out <= 32]
     return {
         "requests": len(results),

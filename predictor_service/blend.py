@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from predictor_service.retrieval import Neighbours
-from sluice.contract.lengths import BUCKET_WIDTH, NUM_BUCKETS, length_bucket
+from sluice.contract.length_prediction import BUCKET_WIDTH, NUM_BUCKETS, length_bucket
 
 POINTS = ("median", "mode_bin")
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from predictor_service.redis_guard import RedisGuard
-from sluice.contract.lengths import LengthPrediction
+from sluice.contract.length_prediction import LengthPrediction
 
 DEFAULT_TTL_S = 3600.0
 JITTER = 0.1  # each entry lives TTL x (1 +- 10%)

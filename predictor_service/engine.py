@@ -32,7 +32,7 @@ from predictor_service.history_store import RedisHistoryStore
 from predictor_service.predictor import LengthPredictor
 from predictor_service.redis_guard import CircuitBreaker, RedisGuard
 from predictor_service.service_metrics import PredictorMetrics
-from sluice.contract.lengths import SOURCE_CACHE, LengthPrediction
+from sluice.contract.length_prediction import SOURCE_CACHE, LengthPrediction
 
 log = logging.getLogger("sluice.predictor")
 EMBEDDING_MEMORY = 8192  # recent (model, prompt) embeddings kept for Observe

@@ -22,7 +22,7 @@ import numpy as np
 from predictor_service.data import Sample, load_samples, split_samples
 from predictor_service.metrics import coverage, mode_bucket_rate, point_metrics
 from predictor_service.predictor import LengthPredictor
-from sluice.contract.lengths import LengthErrorModel, LengthPrediction
+from sluice.contract.length_prediction import LengthErrorModel, LengthPrediction
 
 
 def select(samples: list[Sample], split: str, first_turn_only: bool, limit: int | None, seed: int = 0) -> list[Sample]:

@@ -9,7 +9,7 @@ The served model is an input: index 0 is "unknown model" (trained by replacing t
 generator with it on a random 15% of samples, so it learns the marginal over generators),
 then one entry per generator seen in training. Quantiles are monotone by construction (the
 median plus/minus cumulative softplus steps) and trained with the pinball loss; the bin
-logits (sluice.contract.lengths: equal 100-token bins, the last one open) with cross-entropy,
+logits (sluice.contract.length_prediction: equal 100-token bins, the last one open) with cross-entropy,
 on the same trunk. The median is the best point for error in tokens; the most probable bin is
 the best guess under the bin rule, and the two differ when the length distribution is wide
 (blend.py, `point`).
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice.contract.lengths import NUM_BUCKETS
+from sluice.contract.length_prediction import NUM_BUCKETS
 
 QUANTILE_LEVELS = (0.1, 0.25, 0.5, 0.75, 0.9)
 MODEL_EMBEDDING_DIM = 16

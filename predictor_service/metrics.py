@@ -1,6 +1,6 @@
 """Accuracy measures of length predictions (numpy only).
 
-    bucket_accuracy   ALISE's rule (sluice.contract.lengths): same 100-token bin, last bin open
+    bucket_accuracy   ALISE's rule (sluice.contract.length_prediction): same 100-token bin, last bin open
     mae_tokens        mean |predicted - true| in tokens
     spearman          rank correlation of predicted and true lengths (ties get average ranks)
     kendall_tau       Kendall's tau-b of predicted and true lengths: the share of job pairs a
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice.contract.lengths import LengthPrediction, bucket_accuracy, length_bucket
+from sluice.contract.length_prediction import LengthPrediction, bucket_accuracy, length_bucket
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:

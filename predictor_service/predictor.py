@@ -23,7 +23,7 @@ from predictor_service.blend import BlendConfig, blend, point_tokens, to_tokens
 from predictor_service.encoder import OnnxEncoder, PromptTokenizer, size_features
 from predictor_service.head import OnnxHead
 from predictor_service.retrieval import History
-from sluice.contract.lengths import SOURCE_BLEND, SOURCE_HEAD, SOURCE_RETRIEVAL, LengthPrediction
+from sluice.contract.length_prediction import SOURCE_BLEND, SOURCE_HEAD, SOURCE_RETRIEVAL, LengthPrediction
 
 
 def load_history_file(path: Path, history: History) -> int:

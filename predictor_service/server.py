@@ -21,7 +21,7 @@ from predictor_service.engine import EngineConfig, PredictorEngine, Query
 from predictor_service.predictor import LengthPredictor
 from sluice.common.grpc_server import GrpcServer
 from sluice.common.security import ServerSecurity
-from sluice.contract.lengths import (
+from sluice.contract.length_prediction import (
     SOURCE_BLEND,
     SOURCE_CACHE,
     SOURCE_FALLBACK,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from predictor_service import artefacts
 from predictor_service.cache import prompt_digest
-from sluice.contract.lengths import LengthPrediction
+from sluice.contract.length_prediction import LengthPrediction
 
 BATCH = 64
 

@@ -32,7 +32,7 @@ from predictor_service.encoder import DEFAULT_LAYERS, DEFAULT_MAX_INPUT_TOKENS, 
 from predictor_service.head import QUANTILE_LEVELS, TorchHead, build_head, head_loss
 from predictor_service.metrics import accuracy_report
 from predictor_service.retrieval import History
-from sluice.contract.lengths import LengthErrorModel, LengthPrediction, bucket_accuracy, length_bucket
+from sluice.contract.length_prediction import LengthErrorModel, LengthPrediction, bucket_accuracy, length_bucket
 
 log = logging.getLogger("sluice.predictor")
 DEFAULT_SOURCES = ("prompts/sharegpt_v3_conversations.jsonl.gz", "prompts/alpaca_eval_outputs_32models.jsonl.gz")

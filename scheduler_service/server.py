@@ -35,6 +35,7 @@ from grpc_status import rpc_status
 
 from scheduler_service.core.preemption import RejectReason
 from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.slo import judge_slo
 from scheduler_service.live.intake import MAX_ABORT_IDS, check_id
 from scheduler_service.live.service import LiveScheduler, NotOwner, Rejected
 from scheduler_service.live.stream import Chunk, RequestStream
@@ -68,18 +69,11 @@ _FINISH_REASONS = {
 
 
 def slo_met(request: Request) -> bool:
-    """The request-level rule of MetricsRecorder: TTFT, mean gap (DistServe's TPOT) and JCT."""
+    """The request-level rule of the simulator's metrics (core/slo.py); a request that ended
+    without completing missed its SLOs."""
     if request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
         return False
-    times, slo = request.token_times, request.slo
-    ttft = times[0] - request.arrival_time
-    jct = times[-1] - request.arrival_time
-    mean_gap = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-    return (
-        (slo.ttft_s is None or ttft <= slo.ttft_s)
-        and (slo.tbt_s is None or mean_gap is None or mean_gap <= slo.tbt_s)
-        and (slo.jct_s is None or jct <= slo.jct_s)
-    )
+    return judge_slo(request.slo, request.arrival_time, request.token_times).met
 
 
 def request_timings(request: Request) -> common_pb2.RequestTimings:
@@ -304,7 +298,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             router=live.config.router,
             model=live.model,
             max_model_len=live.max_model_len,
-            max_waiting=live.config.max_waiting,
+            max_waiting=live.config.max_waiting or 0,  # 0: no bound
             block_size=live.block_size,
             workers=workers,
             max_prompt_tokens=live.limits.max_prompt_tokens,

@@ -1,15 +1,16 @@
 """`sluice bench`: live load from a trace against a running scheduler, measured by the client,
 reported with the simulator's metric definitions. `--backend openai --base-url URL` sends the
-same requests, at the same arrival times, to any OpenAI-compatible server instead
-(services/bench_openai.py): `sluice serve` over HTTP, `vllm serve`, SGLang ...
+same requests, at the same arrival times, to any OpenAI-compatible server instead:
+`sluice serve` over HTTP, `vllm serve`, SGLang ... This module reads the flags and runs the
+load generator of scheduler_service/loadgen/:
 
     load_trace (+ apply_arrivals / SLOs) --prepare_requests--> BenchRequests (lengths clipped
-        to the server's max_model_len; token-id prompts, or the trace's text)
+        to the server's max_model_len; token-id prompts, or the trace's text)   loadgen/requests.py
     --run_requests--> open loop (each request sent at its arrival time) or closed loop
         (--concurrency C streams at a time) --> one RequestRecord per request (send time,
-        receive time of every token, finish reason, server timings, gRPC error)
+        receive time of every token, finish reason, server timings, gRPC error)   loadgen/load.py
     --summarize--> MetricsRecorder (scheduler_service.core.metrics, the simulator's) fed with
-        Requests rebuilt from the records --> the `sluice simulate --json` document
+        Requests rebuilt from the records --> the `sluice simulate --json` document   loadgen/measure.py
 
 Length source. By default no request carries its true output length: `max_tokens` is the
 context left after the prompt (capped by `--max-tokens`), `ignore_eos` is off and no predicted
@@ -31,284 +32,20 @@ import argparse
 import asyncio
 import os
 import time
-from array import array
-from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from scheduler_service.loadgen.requests import PROMPT_SOURCES
 from sluice.common.security import add_client_security_arguments, client_security_from
 
 if TYPE_CHECKING:
-    from scheduler_service.core.slo import SLOSpec
-    from scheduler_service.sim.simulator import SimRun
-    from scheduler_service.sim.workloads import Workload
-    from services.bench_openai import OpenAIBench
-    from sluice.common.client import SluiceClient, Timings
-
-DEFAULT_TARGET = os.environ.get("SLUICE_TARGET", "127.0.0.1:50051")
-PROMPT_TOKEN_BASE = 1000  # synthetic prompt ids cycle through [1000, 2000): valid in every vocabulary we serve
-PROMPT_TOKEN_SPAN = 1000
-SERVER_ONLY_METRICS = ("compute_util_mean", "kv_util_mean", "kv_used_mean", "kv_alloc_failures", "load_imbalance_s")
-PROMPT_SOURCES = ("auto", "tokens", "text")
-BACKENDS = ("grpc", "openai")
-
-
-@dataclass(frozen=True, slots=True)
-class BenchRequest:
-    request_id: str
-    arrival_s: float | None  # offset from the start of the run; None in closed-loop mode
-    prompt: str | tuple[int, ...]
-    num_prompt_tokens: int  # the trace's count (the server's tokenizer decides for text prompts)
-    max_tokens: int  # oracle: the trace's output length; else the context left (both clipped to --max-tokens)
-    slo: SLOSpec
-    priority: int = 0
-    tenant: str = ""
-    ignore_eos: bool = False  # True only with oracle lengths: the request runs to exactly max_tokens
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    request: BenchRequest
-    sent_s: float = 0.0  # seconds since the run started
-    end_s: float = 0.0
-    token_times: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    timings: Timings | None = None
-    error_code: str = ""  # gRPC status name when the call failed
-    message: str = ""
-
-
-def synthetic_prompt(num_tokens: int, offset: int) -> tuple[int, ...]:
-    """Token ids of a given length; `offset` varies them between requests (no shared prefixes)."""
-    return tuple(PROMPT_TOKEN_BASE + (offset * 7919 + i * 31) % PROMPT_TOKEN_SPAN for i in range(num_tokens))
-
-
-def prepare_requests(
-    workload: Workload,
-    max_model_len: int,
-    *,
-    max_tokens: int | None = None,
-    prompt_source: str = "auto",
-    oracle_lengths: bool = False,
-) -> list[BenchRequest]:
-    """One BenchRequest per trace request: the prompt clipped to leave room for one output
-    token; `max_tokens` the context left (and at most `max_tokens`), or with `oracle_lengths`
-    the trace's true output length under the same caps, run with `ignore_eos`. Text prompts
-    are used when the trace has them (`auto`, `text`) and they are not longer than the context."""
-    from scheduler_service.core.slo import NO_SLO
-
-    if prompt_source not in PROMPT_SOURCES:
-        raise ValueError(f"prompt_source must be one of {PROMPT_SOURCES}, got {prompt_source!r}")
-    out = []
-    for i, tr in enumerate(workload.requests):
-        prompt_len = min(max(1, tr.prompt_tokens), max_model_len - 1)
-        room = max_model_len - prompt_len
-        cap = min(room, max_tokens or room)
-        num_out = max(1, min(tr.output_tokens, cap)) if oracle_lengths else max(1, cap)
-        prompt: str | tuple[int, ...]
-        if prompt_source != "tokens" and tr.prompt_text and tr.prompt_tokens == prompt_len:
-            prompt = tr.prompt_text
-        elif prompt_source == "text":
-            raise ValueError(f"request {tr.request_id!r} has no prompt text that fits {max_model_len} tokens")
-        else:
-            prompt = synthetic_prompt(prompt_len, i)
-        out.append(
-            BenchRequest(
-                request_id=f"bench-{i}-{tr.request_id}",
-                arrival_s=tr.arrival_s,
-                prompt=prompt,
-                num_prompt_tokens=prompt_len,
-                max_tokens=num_out,
-                slo=tr.slo or NO_SLO,
-                priority=tr.priority,
-                tenant=tr.tenant,
-                ignore_eos=oracle_lengths,
-            )
-        )
-    return out
-
-
-# ---------------------------------------------------------------- the load
-
-
-def _slo_ms(value: float | None) -> float | None:
-    return None if value is None else value * 1e3
-
-
-async def _send(client: SluiceClient, record: RequestRecord, t0: float, timeout: float | None) -> None:
-    import grpc
-
-    from sluice.common.client import build_request
-
-    r = record.request
-    msg = build_request(
-        r.prompt,
-        request_id=r.request_id,
-        max_tokens=r.max_tokens,
-        ignore_eos=r.ignore_eos,
-        ttft_ms=_slo_ms(r.slo.ttft_s),
-        tbt_ms=_slo_ms(r.slo.tbt_s),
-        jct_ms=_slo_ms(r.slo.jct_s),
-        priority=r.priority,
-        tenant=r.tenant,
-    )
-    record.sent_s = time.perf_counter() - t0
-    try:
-        async for chunk in client.generate_request(msg, timeout=timeout):
-            if chunk.token_ids:
-                record.token_times.extend([chunk.received_s - t0] * len(chunk.token_ids))
-            if chunk.is_last:
-                record.finish_reason = chunk.finish_reason
-                record.prompt_tokens = chunk.prompt_tokens
-                record.timings = chunk.timings
-                record.message = chunk.message
-    except grpc.aio.AioRpcError as exc:
-        record.error_code = exc.code().name
-        record.message = exc.details() or ""
-    finally:
-        record.end_s = time.perf_counter() - t0
-
-
-async def run_requests(
-    client: SluiceClient | OpenAIBench,
-    requests: Sequence[BenchRequest],
-    *,
-    concurrency: int | None = None,
-    timeout: float | None = None,
-    progress: bool = True,
-) -> list[RequestRecord]:
-    """Sends every request (open loop at its `arrival_s`, or `concurrency` at a time) and
-    returns their records in the order given."""
-    from tqdm import tqdm
-
+    from scheduler_service.loadgen.openai_backend import OpenAIBench
+    from scheduler_service.loadgen.requests import BenchRequest, RequestRecord
+    from scheduler_service.workloads import Workload
     from sluice.common.client import SluiceClient
 
-    records = [RequestRecord(r) for r in requests]
-    bar = tqdm(total=len(records), desc="bench", unit="req", disable=not progress, leave=False)
-    t0 = time.perf_counter()
-
-    async def send(record: RequestRecord) -> None:
-        if isinstance(client, SluiceClient):
-            await _send(client, record, t0, timeout)
-        else:
-            await client.send(record, t0, timeout)
-        bar.update(1)
-
-    if concurrency is not None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-        pending = iter(records)
-
-        async def lane() -> None:
-            for record in pending:
-                await send(record)
-
-        await asyncio.gather(*(lane() for _ in range(min(concurrency, len(records)))))
-    else:
-        if any(r.arrival_s is None for r in requests):
-            raise ValueError("the workload has no arrival times: give a rate or a concurrency")
-        tasks = []
-        for record in sorted(records, key=lambda rec: rec.request.arrival_s or 0.0):
-            delay = (record.request.arrival_s or 0.0) - (time.perf_counter() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(record)))
-        await asyncio.gather(*tasks)
-    bar.close()
-    return records
-
-
-# ---------------------------------------------------------------- the metrics
-
-
-def _reject_reason(message: str) -> Any:
-    from scheduler_service.core.preemption import RejectReason
-
-    return next((r for r in RejectReason if r.value in message), RejectReason.QUEUE_FULL)
-
-
-def _final_status(record: RequestRecord) -> Any:
-    from scheduler_service.core.request import RequestStatus
-
-    if record.error_code:
-        return (
-            RequestStatus.FINISHED_TIMEOUT if record.error_code == "DEADLINE_EXCEEDED" else RequestStatus.FINISHED_ERROR
-        )
-    by_reason = {
-        "stop": RequestStatus.FINISHED_STOPPED,
-        "length": RequestStatus.FINISHED_LENGTH,
-        "abort": RequestStatus.FINISHED_ABORTED,
-        "timeout": RequestStatus.FINISHED_TIMEOUT,
-    }
-    status = by_reason.get(record.finish_reason or "", RequestStatus.FINISHED_ERROR)
-    if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and not record.token_times:
-        return RequestStatus.FINISHED_ERROR  # a completion without a token cannot be measured
-    return status
-
-
-def _is_rejected(record: RequestRecord) -> bool:
-    return record.error_code == "RESOURCE_EXHAUSTED" or record.finish_reason == "rejected"
-
-
-def record_metrics(records: Sequence[RequestRecord]) -> Any:
-    """A MetricsRecorder fed with one rebuilt Request per record (the simulator's definitions)."""
-    from scheduler_service.core.metrics import MetricsRecorder
-    from scheduler_service.core.request import Request, RequestStatus
-    from sluice.contract.sampling import SamplingParams
-
-    recorder = MetricsRecorder()
-    for rec in records:
-        r = rec.request
-        request = Request(
-            r.request_id,
-            arrival_time=rec.sent_s,
-            num_prompt_tokens=rec.prompt_tokens or r.num_prompt_tokens,
-            sampling=SamplingParams(max_tokens=r.max_tokens),
-            slo=r.slo,
-            priority=r.priority,
-            tenant=r.tenant,
-        )
-        if _is_rejected(rec):
-            request.status = RequestStatus.FINISHED_REJECTED
-            recorder.on_reject(request, _reject_reason(rec.message), rec.end_s)
-            continue
-        recorder.on_admitted(request)
-        request.token_times = array("d", rec.token_times)
-        request.num_output_tokens = len(rec.token_times)
-        if rec.timings is not None:
-            request.queue_time = rec.timings.queue_s
-            request.num_preemptions = rec.timings.num_preemptions
-            if rec.timings.num_preemptions:
-                recorder.preemptions[("unknown", "unknown")] += rec.timings.num_preemptions
-        request.status = _final_status(rec)
-        recorder.on_finish(request, rec.token_times[-1] if rec.token_times else rec.end_s)
-    return recorder
-
-
-def summarize(
-    records: Sequence[RequestRecord], *, policy: str, workload: str, config: dict[str, Any] | None = None
-) -> SimRun:
-    """The run as a SimRun: `metrics` has exactly the simulator's keys (server-only ones null),
-    `details` the recorder's details plus the client's view (errors by gRPC code)."""
-    from scheduler_service.sim.simulator import SimRun
-
-    recorder = record_metrics(records)
-    metrics = recorder.summary()
-    for key in SERVER_ONLY_METRICS:
-        metrics[key] = None
-    metrics["sched_overhead_ms"] = {"mean": None, "p99": None}
-    details = recorder.details()
-    details["client"] = {
-        "errors_by_code": dict(Counter(r.error_code for r in records if r.error_code)),
-        "finish_reasons": dict(Counter(r.finish_reason for r in records if r.finish_reason)),
-        "measured_by": "client",
-    }
-    return SimRun(policy=policy, workload=workload, config=dict(config or {}), metrics=metrics, details=details)
-
-
-# ---------------------------------------------------------------- the command
+DEFAULT_TARGET = os.environ.get("SLUICE_TARGET", "127.0.0.1:50051")
+BACKENDS = ("grpc", "openai")
 
 
 def add_parser(sub: Any) -> None:
@@ -354,7 +91,7 @@ def add_parser(sub: Any) -> None:
 
 def _workload(args: argparse.Namespace) -> Workload:
     from scheduler_service.core.slo import SLOSpec
-    from scheduler_service.sim.workloads import apply_arrivals, load_trace
+    from scheduler_service.workloads import apply_arrivals, load_trace
 
     workload = load_trace(args.trace, num_requests=args.num_requests, seed=args.seed)
     if args.concurrency is None and (args.rate is not None or not workload.has_arrivals):
@@ -391,6 +128,8 @@ async def _load(
     args: argparse.Namespace, workload: Workload
 ) -> tuple[Served, list[BenchRequest], list[RequestRecord], float]:
     """Prepares the requests for the server's context and runs them against it."""
+    from scheduler_service.loadgen.load import run_requests
+    from scheduler_service.loadgen.requests import prepare_requests
     from sluice.common.client import SluiceClient
 
     def prepare(max_model_len: int) -> list[BenchRequest]:
@@ -405,7 +144,7 @@ async def _load(
     security = client_security_from(args)
     client: SluiceClient | OpenAIBench
     if args.backend == "openai":
-        from services.bench_openai import OpenAIBench
+        from scheduler_service.loadgen.openai_backend import OpenAIBench
 
         if not args.base_url:
             raise ValueError("--backend openai needs --base-url (like http://127.0.0.1:8000/v1)")
@@ -431,6 +170,7 @@ async def _load(
 
 
 async def _bench(args: argparse.Namespace) -> int:
+    from scheduler_service.loadgen.measure import summarize
     from scheduler_service.sim.report import format_table, write_json
 
     workload = _workload(args)

@@ -35,7 +35,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("system")
     s.add_argument("--policy", action="append", help="policy[:key=value,...]; repeat to compare (default vllm)")
     add_config_arguments(s, CostModelConfig)
-    add_config_arguments(s, SimConfig)
+    add_config_arguments(s, SimConfig, exclude=("policy",))  # the repeatable --policy above
     s.add_argument("--no-progress", action="store_true")
 
 
@@ -43,7 +43,7 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """(workload config, cost model, the trace's requests, the length table or None) from the flags."""
     from scheduler_service.costmodel.factory import CostModelConfig
     from scheduler_service.sim.workload_config import WorkloadConfig
-    from services.lengths import is_predictor_source, predictor_lengths
+    from services.predictor_lengths import is_predictor_source, predictor_lengths
 
     workload_cfg = config_from(WorkloadConfig, args)
     cost_model = config_from(CostModelConfig, args).build()
@@ -64,7 +64,7 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
 def _sim_config(args: argparse.Namespace, policy: str, seed: int) -> Any:
     from scheduler_service.sim.simulator import SimConfig
 
-    return config_from(SimConfig, args, policy=policy, seed=seed, progress=not args.no_progress)
+    return config_from(SimConfig, args, exclude=("policy",), policy=policy, seed=seed, progress=not args.no_progress)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -90,7 +90,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(
             "rejected: prompt_too_long = prompt + 1 token over --max-model-len (the model's context unless set); "
             "exceeds_kv_capacity = the prompt needs more KV than a worker has; unschedulable = no step of the "
-            "policy could place it"
+            "policy could place it; queue_full = --max-waiting requests were already waiting (--max-waiting none: "
+            "no bound)"
         )
     if args.json:
         write_json(runs, args.json)
@@ -102,8 +103,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
-    import numpy as np
-
+    from scheduler_service.core.slo import NO_SLO, tightest_tbt_slo
     from scheduler_service.sim.capacity import find_capacity, parse_rule
     from scheduler_service.sim.simulator import simulate
 
@@ -111,21 +111,19 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     workload_cfg, cost_model, base, lengths = _setup(args)
     results = {}
     for policy in args.policy or ["vllm"]:
-        tbt_slo: list[float | None] = [None]
+        cfg = _sim_config(args, policy, workload_cfg.seed)
+        cfg.progress = False
+        # the rule's TBT SLO is the one the requests are held to (core/slo.py), as the policies see it
+        slos = (r.slo or NO_SLO for r in workload_cfg.prepare(base, cost_model, args.start_rate).requests)
+        tbt_slo = tightest_tbt_slo(slos, cfg.tbt_slo_s)
 
-        def run_at(rate: float, policy: str = policy, tbt_slo: list = tbt_slo) -> Any:
-            workload = workload_cfg.prepare(base, cost_model, rate)
-            tbts = [r.slo.tbt_s for r in workload.requests if r.slo is not None and r.slo.tbt_s is not None]
-            tbt_slo[0] = float(np.median(tbts)) if tbts else None
-            cfg = _sim_config(args, policy, workload_cfg.seed)
-            cfg.progress = False
-            run = simulate(cfg, workload, cost_model, lengths)
+        def run_at(rate: float, cfg: Any = cfg) -> Any:
+            run = simulate(cfg, workload_cfg.prepare(base, cost_model, rate), cost_model, lengths)
             run.config["rate"] = rate
             return run
 
-        run_at(args.start_rate)  # learns the workload's TBT SLO for the rule
-        result = find_capacity(run_at, rule, tbt_slo[0], start_rate=args.start_rate, rel_tol=args.tolerance)
-        results[policy] = {"capacity_req_s": result.capacity_req_s, "probes": result.probes, "tbt_slo_s": tbt_slo[0]}
+        result = find_capacity(run_at, rule, tbt_slo, start_rate=args.start_rate, rel_tol=args.tolerance)
+        results[policy] = {"capacity_req_s": result.capacity_req_s, "probes": result.probes, "tbt_slo_s": tbt_slo}
         print(
             f"{policy}: capacity {result.capacity_req_s:.3f} req/s under {args.slo_rule} (probes: {len(result.probes)})"
         )

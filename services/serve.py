@@ -874,7 +874,7 @@ class DemoRequest:
 def demo_requests(opts: DemoOptions, model: str) -> list[DemoRequest]:
     """A slice of a real trace, lengths scaled and clipped; prompts are windows of real
     ShareGPT text tokenized with the model's tokenizer, cut to the trace's lengths."""
-    from scheduler_service.sim.workloads import load_trace
+    from scheduler_service.workloads import load_trace
     from sluice.common.tokenizer import Tokenizer
 
     trace = load_trace(opts.trace, num_requests=opts.num_requests).requests

@@ -93,8 +93,8 @@ def serve_command(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
 
     name, options = parse_policy(args.policy)
     if name not in POLICIES:
-        raise SystemExit(f"--policy: unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
-    build_options(POLICIES[name].options_cls, options, name)
+        raise SystemExit(f"--policy: unknown policy {name!r}; known: {', '.join(POLICIES.names())}")
+    build_options(POLICIES.get(name).options_cls, options, name)
     env = {ENV_POLICY: args.policy}
     if args.predictor:
         env[ENV_PREDICTOR] = args.predictor

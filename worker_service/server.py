@@ -57,7 +57,7 @@ from sluice.common.prom import WorkerMetrics, start_metrics_server
 from sluice.common.security import PLAINTEXT, ClientSecurity, ServerSecurity
 from sluice.common.telemetry import TraceparentTable, setup_tracing, shutdown_tracing, step_span, tracing_enabled
 from sluice.common.version import sluice_version
-from sluice.contract.limits import token_budget
+from sluice.contract.limits import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_SWAP_SPACE_GIB, token_budget
 from sluice.contract.plan import CachedRequestData, NewRequestData, StepPlan, StepResult
 from sluice.contract.plan_codec import PlanReceiver, error_result, result_to_proto
 from sluice.contract.sampling import InvalidRequestError, SamplingParams
@@ -84,8 +84,10 @@ T = TypeVar("T")
 class WarmupDefaults:
     """What the worker uses where a WarmupRequest leaves a field at zero (its flags)."""
 
-    gpu_memory_utilization: float = opt(0.9, "share of accelerator memory the worker may use in all")
-    swap_space_gib: float = opt(4.0, "host swap space in GiB")
+    gpu_memory_utilization: float = opt(
+        DEFAULT_GPU_MEMORY_UTILIZATION, "share of accelerator memory the worker may use in all"
+    )
+    swap_space_gib: float = opt(DEFAULT_SWAP_SPACE_GIB, "host swap space in GiB")
     max_num_batched_tokens: int | None = opt(
         None, "tokens of the activation probe; none: max(8192, the model's context length)"
     )

@@ -87,6 +87,9 @@ class Cluster:
                 return self._reject(request, RejectReason.OFFLINE_QUEUE_FULL, now)
             self.offline.push(request)
             return None
+        bound = self.spec.max_waiting
+        if bound is not None and self.num_waiting >= bound:
+            return self._reject(request, RejectReason.QUEUE_FULL, now)
         self._admit = admit
         try:
             return self._route(request, now)

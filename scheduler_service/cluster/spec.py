@@ -1,19 +1,23 @@
 """ClusterSpec: everything that defines a cluster of workers' schedulers, in one value.
 
-The simulator builds one from its config and the cost model's KV arithmetic; the live
-scheduler builds one from its config and what each worker's Info and Warmup answered; the
-benchmarks build them directly. `build_cluster` (cluster/build.py) turns any of them into
-the same objects, so every policy sees the same `PolicyContext` fields live and simulated.
+Both drivers build one from their `Deployment` (cluster/deployment.py: `cluster_spec`), the
+simulator with the cost model's KV arithmetic, the live scheduler with what each worker's Info
+and Warmup answered; tests and benchmarks of a bare cluster build them directly. Its own
+defaults are the plain engine's (the papers': steps planned one after another, no bound on
+waiting requests, no offline queue); a deployment's come from `Deployment`.
+`build_cluster` (cluster/build.py) turns any of them into the same objects, so every policy
+sees the same `PolicyContext` fields live and simulated.
 
     policy, router              registered names with options ("sarathi:budget=512")
     workers                     one WorkerSpec each: KV blocks on GPU and CPU, block size, role
                                 (prefill, decode or mixed; cluster/disagg.py)
     cost_model                  prices steps for the policies and routers that plan in time
-    max_model_len, limits       context length, sequences and tokens per step, queue bound
+    max_model_len, limits       context length, sequences and tokens per step, the waiting bound
+                                across all workers (None: none)
     tbt_slo_s                   the deployment's TBT SLO (sarathi's budget, AccelGen's pivot)
     int8_swap                   swapped KV is int8-compressed
     prefix_caching              computed full blocks are cached by prefix hash and shared
-    length_source               where predicted output lengths come from (cluster/lengths.py)
+    length_source               where predicted output lengths come from (cluster/length_sources.py)
     decode_router               picks the decode worker of a disaggregated cluster's requests
     int8_transfer               KV moved from a prefill to a decode worker is int8-compressed
     overlap                     a worker's next plan may be made while its step runs
@@ -23,12 +27,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_service.cluster.lengths import LengthSource, MaxTokensLengths
+from scheduler_service.cluster.length_sources import LengthSource, MaxTokensLengths
 from scheduler_service.core.policy import PolicyContext
 from scheduler_service.core.scheduler import SchedulerConfig
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.routers import RouterContext
-from sluice.contract.limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, token_budget
+from sluice.contract.limits import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_SEQS,
+    token_budget,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +56,7 @@ class ClusterSpec:
     router: str = "round_robin"
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None  # None: contract.limits.token_budget
-    max_waiting: int = 100_000
+    max_waiting: int | None = None  # all workers together, checked by Cluster.submit; None: no bound
     queue_timeout_s: float | None = None
     tbt_slo_s: float | None = None
     int8_swap: bool = False
@@ -58,7 +66,7 @@ class ClusterSpec:
     int8_transfer: bool = False  # KV moved between workers is int8-compressed (half the bytes)
     overlap: bool = False  # plans may be made one step ahead (core/overlap.py; overlap_safe policies)
     # offline-class requests wait in a queue of this bound, yielding to online ones
-    # (core/offline.py); 0: they are routed as online ones are (the simulator's default)
+    # (core/offline.py); 0: they are routed as online ones are
     max_offline_waiting: int = 0
 
     def __post_init__(self) -> None:
@@ -107,7 +115,7 @@ class ClusterSpec:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.step_token_budget,
             max_model_len=self.max_model_len,
-            max_waiting=self.max_waiting,
+            max_waiting=None,  # NOTE: the cluster bounds new requests; a re-routed one was admitted already
             queue_timeout_s=self.queue_timeout_s,
             overlap=self.overlap,
         )

@@ -30,6 +30,7 @@ import numpy as np
 
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason, RejectReason
 from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.slo import judge_slo
 
 if TYPE_CHECKING:
     from kvstore.accounting import KVCacheManager
@@ -156,23 +157,20 @@ class MetricsRecorder:
 
     def _judge(self, request: Request, ttft: float, jct: float, gaps: np.ndarray) -> None:
         slo = request.slo
-        ok = True
+        # iteration level: every token event against its own objective
         if slo.ttft_s is not None:
-            met = ttft <= slo.ttft_s
             self.iter_events += 1
-            self.iter_met += met
-            ok &= met
+            self.iter_met += ttft <= slo.ttft_s
         if slo.tbt_s is not None and len(gaps):
             self.iter_events += len(gaps)
             self.iter_met += int(np.count_nonzero(gaps <= slo.tbt_s))
-            ok &= float(gaps.mean()) <= slo.tbt_s
-        if slo.jct_s is not None:
-            met = jct <= slo.jct_s
+        # request level: the one rule (core/slo.py) the live service's final timings use too
+        verdict = judge_slo(slo, request.arrival_time, request.token_times)
+        if verdict.jct_met is not None:
             self.jct_judged += 1
-            self.jct_met += met
-            ok &= met
+            self.jct_met += verdict.jct_met
         self.req_judged += 1
-        self.req_met += ok
+        self.req_met += verdict.met
 
     def _judge_missed(self, request: Request) -> None:
         self.req_judged += 1

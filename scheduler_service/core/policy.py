@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from kvstore.accounting import AllocationMode
-from scheduler_service.registry import Registry
 from sluice.common.config import config_from_options
+from sluice.common.registry import Registry
 
 if TYPE_CHECKING:
     from scheduler_service.core.request import Request

@@ -40,7 +40,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # sequences per step
     max_num_batched_tokens: int = 8192  # tokens per step (a policy's budget may be smaller)
     max_model_len: int = 4096  # prompt + output limit of the model
-    max_waiting: int = 100_000  # bound of the waiting queue; beyond it requests are rejected
+    # bound of this worker's waiting queue (a scheduler on its own); a cluster passes None and
+    # bounds new requests across its workers instead (cluster/cluster.py)
+    max_waiting: int | None = None
     queue_timeout_s: float | None = None  # a request never admitted within this is dropped
     drop_expired_deadlines: bool = False  # drop waiting requests whose JCT deadline passed
     overlap: bool = False  # plans may be made one step ahead of the answers (core/overlap.py)
@@ -108,7 +110,7 @@ class Scheduler:
         if self.kv.num_blocks_for(request.num_prompt_tokens + 1) > self.kv.gpu.num_blocks:
             # NOTE: vLLM "ignores" such prompts; left in an FCFS queue they would block it forever.
             return RejectReason.EXCEEDS_KV_CAPACITY
-        if len(self.waiting) >= self.config.max_waiting:
+        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
             return RejectReason.QUEUE_FULL
         return None
 

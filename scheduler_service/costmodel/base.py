@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from scheduler_service.registry import Registry
+from sluice.common.registry import Registry
 from sluice.contract.profile import BatchShape, ModelSpec
 
 

@@ -21,7 +21,7 @@ from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason, RejectReason
 from scheduler_service.core.request import Request, RequestStatus
 from sluice.common.telemetry import RequestTrace
-from sluice.contract.lengths import LengthPrediction
+from sluice.contract.length_prediction import LengthPrediction
 
 if TYPE_CHECKING:
     from sluice.common.prom import ServingMetrics

@@ -103,15 +103,16 @@ class WorkerCapacity:
 @dataclass(frozen=True, slots=True)
 class WarmupOptions:
     num_gpu_blocks: int | None = None
-    swap_space_gib: float = 0.0
-    gpu_memory_utilization: float = 0.0
+    swap_space_gib: float | None = None  # None: the worker's own
+    gpu_memory_utilization: float | None = None  # None: the worker's own
     max_num_batched_tokens: int = 0
     max_num_seqs: int = 0
 
     def to_proto(self) -> worker_pb2.WarmupRequest:
         return worker_pb2.WarmupRequest(
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            swap_space_gib=self.swap_space_gib,
+            # NOTE: 0 in the message is "not set": the worker uses its own
+            gpu_memory_utilization=self.gpu_memory_utilization or 0.0,
+            swap_space_gib=self.swap_space_gib or 0.0,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             num_gpu_blocks_override=self.num_gpu_blocks,

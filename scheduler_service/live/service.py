@@ -35,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 from scheduler_service.cluster import ClusterSpec, DisaggCluster, WorkerSpec, build_cluster
-from scheduler_service.cluster.lengths import GivenLengths
+from scheduler_service.cluster.deployment import cluster_spec as deployment_cluster_spec
+from scheduler_service.cluster.length_sources import GivenLengths
 from scheduler_service.core.admission import (
     ADMITTED,
     COLD_SEQS,
@@ -51,15 +52,15 @@ from scheduler_service.core.offline import Room, is_offline
 from scheduler_service.core.preemption import RejectReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.slo import SLOClass
+from scheduler_service.core.slo import SLOClass, request_tbt_slo
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_worker_cost_model
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.discovery import WorkerDiscovery
 from scheduler_service.live.intake import Limits, build_request, check_id, check_request, slo_of
-from scheduler_service.live.lengths import PredictorLink
 from scheduler_service.live.loop import WorkerLoop
 from scheduler_service.live.observe import LiveMetrics
+from scheduler_service.live.predictor_link import PredictorLink
 from scheduler_service.live.remote import RemoteWorker, WarmupOptions, WorkerCapacity, WorkerLost
 from scheduler_service.live.stream import RequestStream
 from scheduler_service.live.transfers import KVTransfers
@@ -167,23 +168,14 @@ def cluster_spec(cfg: LiveConfig, caps: Sequence[WorkerCapacity], max_model_len:
     the cost model is fitted from `cfg.profile` when given, else the analytic roofline of the
     model and hardware the first worker described (all workers serve the same model)."""
     first = caps[0]
-    return ClusterSpec(
-        policy=cfg.policy,
-        workers=tuple(WorkerSpec(c.num_gpu_blocks, c.num_cpu_blocks, c.block_size, c.role) for c in caps),
-        cost_model=build_worker_cost_model(first.model_spec, first.hardware, cfg.profile),
-        max_model_len=max_model_len,
-        router=cfg.router,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_waiting=cfg.max_waiting,
-        queue_timeout_s=cfg.queue_timeout_s,
-        tbt_slo_s=cfg.tbt_slo_s,
+    return deployment_cluster_spec(
+        cfg,
+        [WorkerSpec(c.num_gpu_blocks, c.num_cpu_blocks, c.block_size, c.role) for c in caps],
+        build_worker_cost_model(first.model_spec, first.hardware, cfg.profile),
+        max_model_len,
+        GivenLengths(),
         int8_swap=cfg.int8_swap and all(c.int8_swap for c in caps),
-        length_source=GivenLengths(),
-        prefix_caching=cfg.prefix_caching,
         int8_transfer=cfg.int8_transfer and all(c.int8_swap for c in caps),  # NOTE: one int8 codec for both
-        overlap=cfg.overlap,
-        max_offline_waiting=cfg.max_offline_waiting,
     )
 
 
@@ -410,7 +402,7 @@ class LiveScheduler:
             if reason is RejectReason.OFFLINE_QUEUE_FULL:
                 raise Rejected(reason, self._offline_full_message())
             raise Rejected(reason, request.finish_message or str(reason))
-        if request.slo.effective_class is SLOClass.ONLINE and (tbt_s := request.slo.tbt_s or self.config.tbt_slo_s):
+        if (tbt_s := request_tbt_slo(request.slo, self.config.tbt_slo_s)) is not None:
             self._last_tbt_s = tbt_s  # NOTE: an admitted one's: a refused request's SLO keeps nothing
         if self.predictor is not None:
             self.predictor.ask(request)
@@ -434,7 +426,8 @@ class LiveScheduler:
                 self.metrics.on_reject(stub, RejectReason.OFFLINE_QUEUE_FULL, now)
                 raise Rejected(RejectReason.OFFLINE_QUEUE_FULL, self._offline_full_message())
             return
-        if self.cluster.num_waiting + self.num_tokenizing >= self.config.max_waiting:
+        bound = self.config.max_waiting
+        if bound is not None and self.cluster.num_waiting + self.num_tokenizing >= bound:
             now = self.clock()
             self.metrics.on_reject(request or rejected_stub(rid, msg, now), RejectReason.QUEUE_FULL, now)
             raise Rejected(RejectReason.QUEUE_FULL, f"the waiting queue is full ({self.config.max_waiting} requests)")
@@ -455,7 +448,7 @@ class LiveScheduler:
         if fit.num_samples < fit.min_samples:
             return Room(min(seats, COLD_SEQS))
         held = list(sched.requests.values())
-        tbts = [t for r in held if not is_offline(r) and (t := r.slo.tbt_s or cfg.tbt_slo_s)]
+        tbts = [t for r in held if (t := request_tbt_slo(r.slo, cfg.tbt_slo_s)) is not None]
         tbt_s = min(tbts) if tbts else self._last_tbt_s
         if tbt_s is None:
             return Room(seats)
@@ -477,7 +470,7 @@ class LiveScheduler:
         worker is estimated without its offline requests when they yield. The decision goes on
         the request's span and the admission counter."""
         slo, cfg = request.slo, self.config
-        ttft_s, tbt_s = slo.ttft_s, slo.tbt_s or cfg.tbt_slo_s
+        ttft_s, tbt_s = slo.ttft_s, request_tbt_slo(slo, cfg.tbt_slo_s)
         why = (
             "offline_queue"
             if self.cluster.offline is not None and slo.effective_class is SLOClass.OFFLINE

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from scheduler_service.core.policy import parse_policy_spec
 from scheduler_service.core.request import Request
-from scheduler_service.registry import Registry
+from sluice.common.registry import Registry
 
 if TYPE_CHECKING:
     from scheduler_service.costmodel.base import CostModel

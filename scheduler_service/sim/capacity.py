@@ -2,6 +2,7 @@
 doubling then bisection (Sarathi-Serve section 5: capacity = the largest QPS with P99 TBT
 within the SLO and median scheduling delay at most 2 s).
 
+A rate at which the waiting bound (`max_waiting`) refused requests never holds.
 Rules: `sarathi` (P99 TBT <= the workload's TBT SLO and median queueing delay <= 2 s),
 `attainment:X` (request-level SLO attainment >= X), `p99_tbt:S`, `p99_ttft:S`,
 `norm_latency:S` (mean normalized latency <= S, the EconoServe/ALISE criterion).
@@ -14,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler_service.core.preemption import RejectReason
 from scheduler_service.sim.simulator import SimRun
 
 SCHEDULING_DELAY_LIMIT_S = 2.0
@@ -25,6 +27,8 @@ class SLORule:
     threshold: float | None
 
     def holds(self, run: SimRun, tbt_slo_s: float | None) -> bool:
+        if run.details.get("rejected_by_reason", {}).get(str(RejectReason.QUEUE_FULL)):
+            return False  # the waiting bound refused work: the rate is not sustained, whatever the rest saw
         queue_p50 = run.details["queue_time_s"]["p50"] if self.name == "sarathi" else None
         return self.holds_for(run.metrics, tbt_slo_s, queue_p50)
 

@@ -27,8 +27,6 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-import numpy as np
-
 from scheduler_service.cluster import (
     ClusterSpec,
     DisaggCluster,
@@ -37,6 +35,7 @@ from scheduler_service.cluster import (
     build_cluster,
     build_length_source,
 )
+from scheduler_service.cluster.deployment import SYNCHRONOUS_UNBOUNDED, Deployment, cluster_spec
 from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.prefix import PrefixSource
 from scheduler_service.core.request import Request
@@ -46,27 +45,29 @@ from scheduler_service.sim.executor import SIM_EOS, SimulatedExecutor
 from scheduler_service.sim.network import NETWORKS, gpu_family, load_network
 from scheduler_service.sim.swap_costs import swap_costs
 from scheduler_service.sim.transfer import SimulatedTransfers
-from scheduler_service.sim.workloads.base import TraceRequest, Workload
+from scheduler_service.workloads.base import TraceRequest, Workload
 from sluice.common.config import cli_name, opt
-from sluice.contract.limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS
+from sluice.contract.limits import DEFAULT_BLOCK_SIZE
 from sluice.contract.plan import KVTransferResult, StepResult
 from sluice.contract.sampling import SamplingParams
 
 BUILTIN_SIM_LENGTH_SOURCES = ("oracle", "noisy_oracle", "max_tokens")
+# The setting of the papers' systems, which the paper reproductions and the simulator's own
+# benchmarks run (`replace(config, **PAPER_SETTING)`): the papers' engine (SYNCHRONOUS_UNBOUNDED:
+# steps planned one after another, unbounded queues, no offline queue) with 16 GiB of host swap
+# per GPU. The defaults describe a Sluice deployment instead (overlapped, bounded, 4 GiB).
+PAPER_SETTING: dict[str, Any] = {**SYNCHRONOUS_UNBOUNDED, "swap_space_gib": 16.0}
 
 
 @dataclass
-class SimConfig:
-    policy: str = opt("vllm", "policy[:key=value,...]", flag=False)  # the CLI repeats --policy to compare
+class SimConfig(Deployment):
+    """A simulation: the deployment (cluster/deployment.py, shared with the live scheduler: one
+    default and one meaning per setting) plus what only the simulator models (workers and their
+    KV in GiB, CPU overheads, swap and transfer pricing, where predicted lengths come from)."""
+
     num_workers: int = opt(1, "workers (one GPU each, or one tensor-parallel group)", cli="workers")
-    router: str = opt("round_robin", "router[:key=value,...] across the workers")
     block_size: int = opt(DEFAULT_BLOCK_SIZE, "KV block size in tokens")
     kv_gb: float | None = opt(None, "KV cache per worker in GiB; none: the GPU's memory minus the weights")
-    gpu_memory_utilization: float = opt(0.9, "share of GPU memory for weights, activations and KV")
-    swap_space_gb: float = opt(16.0, "CPU swap space per worker in GiB")
-    max_num_seqs: int = opt(DEFAULT_MAX_NUM_SEQS, "sequences per step and worker")
-    max_num_batched_tokens: int | None = opt(None, "tokens per step and worker; none: max(8192, max_model_len)")
-    max_model_len: int | None = opt(None, "context length; none: the model's")
     max_tokens: int | None = opt(None, "cap of every request's max_tokens; none: the context left")
     length_source: str = opt(
         "max_tokens",
@@ -74,18 +75,11 @@ class SimConfig:
         "trace's prompts; its held-out error model for traces without text)",
     )
     length_error: float = opt(0.2, "relative standard deviation of noisy_oracle")
-    queue_timeout_s: float | None = opt(None, "a request not admitted within this many seconds ends as timed out")
-    max_waiting: int = opt(1_000_000, "bound of each worker's waiting queue")
     overlap_swap: bool = opt(False, "swaps run on their own stream and overlap the forward pass")
     # CPU time of the serving stack per step outside the model (scheduling, transport,
     # streaming), as Vidur's optional CPU overheads: step_overhead_s + seq_overhead_s x seqs, plus
     # new_seq_overhead_s for each sequence whose prefill starts in the step.
     step_overhead_s: float = opt(0.0, "serving-stack CPU time per step outside the model")
-    overlap: bool = opt(
-        False,
-        "overlapped scheduling as the live service does it: a worker's next step is planned while its "
-        "current one runs, so the CPU overhead hides behind the previous step's execution",
-    )
     seq_overhead_s: float = opt(0.0, "serving-stack CPU time per scheduled sequence")
     new_seq_overhead_s: float = opt(
         0.0, "serving-stack CPU time per sequence whose prefill starts in the step (its admission into the engine)"
@@ -95,7 +89,6 @@ class SimConfig:
         "with --overlap the CPU overhead runs while the previous step does (the scheduler's share); "
         "false keeps it on the step's path, for an overhead fitted to what overlapped live steps still show",
     )
-    int8_swap: bool = opt(False, "int8-compress swapped KV (halves swap bytes)")
     # What a swap costs beyond bytes / PCIe bandwidth (vLLM v0): each block is copied per layer,
     # keys and values apart (2 x layers cudaMemcpyAsync calls per block), and the step that
     # swaps waits for the copies before its forward pass.
@@ -106,7 +99,6 @@ class SimConfig:
         "named swap pricing that sets --swap-copy-overhead-s and --swap-stall-s: vllm-v0 (assumed), "
         "sluice-h100 (measured on an H100) or none (scheduler_service/sim/swap_costs.py)",
     )
-    prefix_caching: bool = opt(True, "automatic prefix caching: reuse the KV of full blocks a request shares")
     # Disaggregated prefill and decode (cluster/disagg.py): prefill-only and decode-only pools.
     prefill_workers: int = opt(
         0, "prefill-only workers (with --decode-workers: a disaggregated cluster instead of --workers)"
@@ -114,10 +106,6 @@ class SimConfig:
     decode_workers: int = opt(0, "decode-only workers (with --prefill-workers)")
     decode_router: str = opt("kv_aware", "router[:key=value,...] that picks each request's decode worker")
     network: str = opt("nvlink", "link of KV transfers between workers: nvlink, infiniband, pcie, ethernet")
-    transfer_timeout_s: float | None = opt(
-        None, "a KV transfer slower than this is abandoned and the decode worker recomputes the prefill"
-    )
-    int8_transfer: bool = opt(False, "int8-compress KV moved between workers (halves transfer bytes)")
     transfer_failure_rate: float = opt(0.0, "share of KV transfers that fail (fault injection; seeded)")
     seed: int = opt(0, "seed of the noisy oracle (the workload's --seed)", flag=False)
     progress: bool = opt(False, "progress bar", flag=False)
@@ -131,8 +119,9 @@ class SimConfig:
         at_least(self, "max_model_len", 2, "a prompt token and an output token")
         at_least(self, "max_tokens", 1)
         at_least(self, "max_waiting", 1)
+        at_least(self, "max_offline_waiting", 0)
         for name in (
-            "swap_space_gb",
+            "swap_space_gib",
             "length_error",
             "step_overhead_s",
             "seq_overhead_s",
@@ -152,15 +141,17 @@ class SimConfig:
             raise ValueError(f"--prefill-workers and --decode-workers go together, {got}")
         if self.network not in NETWORKS:
             raise ValueError(f"--network must be one of {', '.join(NETWORKS)}, got {self.network!r}")
-        if self.transfer_timeout_s is not None and self.transfer_timeout_s <= 0:
+        if not self.transfer_timeout_s > 0:
             raise ValueError(f"--transfer-timeout-s must be > 0, got {self.transfer_timeout_s}")
+        if self.tbt_slo_s is not None and not self.tbt_slo_s > 0:
+            raise ValueError(f"--tbt-slo-s must be > 0, got {self.tbt_slo_s}")
         if not 0 <= self.transfer_failure_rate <= 1:
             raise ValueError(f"--transfer-failure-rate must be in [0, 1], got {self.transfer_failure_rate}")
         if self.kv_gb is not None and self.kv_gb <= 0:
             raise ValueError(f"--kv-gb must be > 0 GiB, got {self.kv_gb}")
         if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
             raise ValueError(f"--queue-timeout-s must be > 0, got {self.queue_timeout_s}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @property
@@ -254,36 +245,17 @@ class Simulation:
                     f"(or predictions given as a table), got {cfg.length_source!r}"
                 )
             length_source = build_length_source(cfg.length_source, relative_error=cfg.length_error, seed=cfg.seed)
-        num_gpu = self.cost_model.num_kv_blocks(cfg.block_size, cfg.gpu_memory_utilization, cfg.kv_gb)
+        num_gpu = self.cost_model.num_kv_blocks(cfg.block_size, cfg.worker_gpu_memory_utilization, cfg.kv_gb)
         bytes_per_block = self.cost_model.model.kv_bytes_per_token_per_gpu * cfg.block_size
-        worker = WorkerSpec(num_gpu, int(cfg.swap_space_gb * 2**30 // bytes_per_block), cfg.block_size)
+        worker = WorkerSpec(num_gpu, int(cfg.worker_swap_space_gib * 2**30 // bytes_per_block), cfg.block_size)
         workers = (worker,) * cfg.num_workers
         if cfg.disaggregated:
             workers = (replace(worker, role="prefill"),) * cfg.prefill_workers + (
                 replace(worker, role="decode"),
             ) * cfg.decode_workers
-        return ClusterSpec(
-            policy=cfg.policy,
-            workers=workers,
-            decode_router=cfg.decode_router,
-            int8_transfer=cfg.int8_transfer,
-            cost_model=self.cost_model,
-            max_model_len=self.max_model_len,
-            router=cfg.router,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_waiting=cfg.max_waiting,
-            queue_timeout_s=cfg.queue_timeout_s,
-            tbt_slo_s=self._workload_tbt_slo(),
-            int8_swap=cfg.int8_swap,
-            length_source=length_source,
-            prefix_caching=cfg.prefix_caching,
-            overlap=cfg.overlap,
+        return cluster_spec(
+            cfg, workers, self.cost_model, self.max_model_len, length_source, decode_router=cfg.decode_router
         )
-
-    def _workload_tbt_slo(self) -> float | None:
-        tbt = [r.slo.tbt_s for r in self.workload.requests if r.slo is not None and r.slo.tbt_s is not None]
-        return float(np.median(tbt)) if tbt else None
 
     # ------------------------------------------------------------------ requests
     def _make_request(self, tr: TraceRequest) -> Request:

@@ -28,8 +28,8 @@ import numpy as np
 
 from scheduler_service.core.slo import SLOClass, SLOSpec
 from scheduler_service.costmodel.base import CostModel
-from scheduler_service.registry import Registry
-from scheduler_service.sim.workloads.base import Workload
+from scheduler_service.workloads.base import Workload
+from sluice.common.registry import Registry
 
 SLOProfile = Callable[[Workload, CostModel, np.random.Generator], Workload]
 SLO_PROFILES: Registry[SLOProfile] = Registry("SLO profile")

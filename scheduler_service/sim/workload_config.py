@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
 from sluice.common.config import opt
 
 

@@ -23,7 +23,7 @@ import grpc
 
 from sluice.common.grpc_server import CHANNEL_OPTIONS
 from sluice.common.security import PLAINTEXT, ClientSecurity
-from sluice.contract.lengths import LengthPrediction
+from sluice.contract.length_prediction import LengthPrediction
 from sluice.v1 import common_pb2, predictor_pb2, predictor_pb2_grpc
 
 log = logging.getLogger("sluice.predictor_client")

@@ -34,7 +34,7 @@ and prints markdown tables. `--length-source SRC` gives every system that reads 
 lengths (those not on `max_tokens`) SRC instead, labelled "system (SRC)", and writes
 `<out>/<paper>_<SRC>.json` and `..._<SRC>.png`; `predictor` is the real predictor on a trace
 with prompt text and, on a trace without (the papers' length generators), predictions drawn
-from the predictor's held-out error model (`services/lengths.py`). `--quick` (one seed, one
+from the predictor's held-out error model (`predictor_service/trace_lengths.py`). `--quick` (one seed, one
 short run per system, one rate) is what the tests run. `--jobs N` runs a claim's independent
 simulations in N local processes, `--ray ADDRESS` as Ray tasks; the results are the serial run's.
 """
@@ -47,7 +47,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from services.lengths import is_online_source, is_predictor_source
+from services.predictor_lengths import is_online_source, is_predictor_source
 from sluice_bench.options import Parallelism, add_parallel_options
 from sluice_bench.repro.claims import PAPERS, _econoserve_regroup, with_length_source
 from sluice_bench.repro.runs import Setup, run_claim, scls_cause

@@ -13,22 +13,21 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from scheduler_service.cluster.lengths import LengthSource
+from scheduler_service.cluster.length_sources import LearningLengths, LengthSource
 from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.request import Request
 from scheduler_service.core.slo import SLOClass, SLOSpec
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
-from scheduler_service.sim.simulator import SimConfig, Simulation
+from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, Simulation
 from scheduler_service.sim.slo_profiles import apply_slo_profile, econoserve_latencies
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
-from scheduler_service.sim.workloads.base import TraceRequest
-from scheduler_service.sim.workloads.synthetic import SYNTHETIC_WORKLOADS
-from services.lengths import (
-    OnlinePredictorLengths,
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.workloads.base import TraceRequest
+from scheduler_service.workloads.synthetic import SYNTHETIC_WORKLOADS
+from services.predictor_lengths import (
     is_online_source,
     is_predictor_source,
-    model_dir_of,
+    online_predictor_lengths,
     predictor_lengths,
 )
 from sluice.common.tokenizer import demo_tokenizer_path
@@ -186,7 +185,7 @@ def run_one(claim: Claim, system: System, rate: float, seed: int, setup: Setup) 
     if is_predictor_source(system.length_source):
         table = predictor_lengths(system.length_source, wl, seed, progress=False)
     elif is_online_source(system.length_source):
-        table = OnlinePredictorLengths(model_dir_of(system.length_source), wl, progress=False)
+        table = online_predictor_lengths(system.length_source, wl, progress=False)
     kv_gb = claim.kv_gb
     if system.int8_kv:
         # NOTE: the same bytes at one byte per value: twice fp16's tokens (the claim fixes the bytes)
@@ -202,7 +201,7 @@ def run_one(claim: Claim, system: System, rate: float, seed: int, setup: Setup) 
         length_source=system.length_source if table is None else "oracle",  # unused when a table is given
         seed=seed,
     )
-    cfg = replace(cfg, **{**claim.common, **system.extra})
+    cfg = replace(cfg, **{**PAPER_SETTING, **claim.common, **system.extra})
     sim = _Recorded(cfg, wl, cm, table)
     full = sim.run()
     span = max((r.arrival_time for r in sim.made), default=0.0)
@@ -214,8 +213,8 @@ def run_one(claim: Claim, system: System, rate: float, seed: int, setup: Setup) 
         "lengths": full.config["length_source"],
     }
     row.update(steady_metrics(sim, setup.warmup * span))
-    if isinstance(table, OnlinePredictorLengths):
-        row["history_learned"] = table.num_observed  # finished requests the predictor's history took in
+    if isinstance(table, LearningLengths):
+        row["history_learned"] = table.predictor.num_observed  # finished requests the predictor's history took in
     fm = full.metrics
     row.update(
         kv_util_mean=fm["kv_util_mean"],
@@ -414,6 +413,7 @@ def scls_cause(rate: float = 4.0, seed: int = 0) -> list[dict[str, Any]]:
             block_size=claim.block_size,
             max_model_len=claim.max_model_len,
             seed=seed,
+            **PAPER_SETTING,
         )
         run = Simulation(cfg, wl, cm).run()
         d = run.details

@@ -11,15 +11,15 @@ import pytest
 from scheduler_service.core.metrics import METRIC_KEYS, MetricsRecorder
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.slo import NO_SLO, SLOSpec
-from scheduler_service.sim.workloads import load_trace
-from services.bench import (
+from scheduler_service.loadgen.measure import summarize
+from scheduler_service.loadgen.requests import (
     PROMPT_TOKEN_BASE,
     PROMPT_TOKEN_SPAN,
     BenchRequest,
     RequestRecord,
     prepare_requests,
-    summarize,
 )
+from scheduler_service.workloads import load_trace
 from sluice.common.client import Timings
 from sluice.contract.sampling import SamplingParams
 

@@ -14,9 +14,11 @@ import pytest
 
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
+from scheduler_service.loadgen.load import run_requests
+from scheduler_service.loadgen.measure import summarize
+from scheduler_service.loadgen.requests import prepare_requests
 from scheduler_service.server import SchedulerServer
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
-from services.bench import prepare_requests, run_requests, summarize
+from scheduler_service.workloads import apply_arrivals, load_trace
 from sluice.common.client import SluiceClient
 from worker_service.echo_engine import ECHO_FIRST_TOKEN, EchoEngine
 from worker_service.engine import EngineConfig

@@ -489,9 +489,11 @@ async def test_queue_full_is_429_with_retry_after_queue_timeout_504_and_no_worke
 
 
 async def test_bench_openai_backend_counts_every_request_with_its_length_as_the_grpc_bench(stack: Stack) -> None:
-    from scheduler_service.sim.workloads import apply_arrivals, load_trace
-    from services.bench import prepare_requests, run_requests, summarize
-    from services.bench_openai import OpenAIBench
+    from scheduler_service.loadgen.load import run_requests
+    from scheduler_service.loadgen.measure import summarize
+    from scheduler_service.loadgen.openai_backend import OpenAIBench
+    from scheduler_service.loadgen.requests import prepare_requests
+    from scheduler_service.workloads import apply_arrivals, load_trace
 
     workload = load_trace("azure-conv", num_requests=16)
     async with OpenAIBench(stack.v1, KEY) as client:

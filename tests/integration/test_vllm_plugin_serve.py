@@ -4,6 +4,7 @@ answered, and the plug-in's trace shows the request's hints (vllm_xargs, priorit
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -15,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from scheduler_service.core.slo import NO_SLO
+from scheduler_service.loadgen.openai_backend import OpenAIBench
+from scheduler_service.loadgen.requests import BenchRequest, RequestRecord
 from sluice_bench.vllm_plugin_harness import TINY_MODEL
 from sluice_vllm.launcher import SYNC_CLS, serve_command
 from tests.predictor_harness import closed_port
@@ -39,6 +43,13 @@ def test_the_cpu_build_answers_for_vllm_after_the_fix() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+async def _bench_one(base_url: str, prompt: list[int], max_tokens: int) -> RequestRecord:
+    async with OpenAIBench(base_url, model=TINY_MODEL, token_ids=True) as bench:
+        record = RequestRecord(BenchRequest("b0", 0.0, tuple(prompt), len(prompt), max_tokens, NO_SLO, ignore_eos=True))
+        await bench.send(record, time.perf_counter(), timeout=120.0)
+        return record
 
 
 def _post(url: str, body: dict) -> dict:
@@ -89,6 +100,10 @@ def test_vllm_serve_with_the_plugin_answers_and_the_hints_arrive(tmp_path: Path)
         request = next(e for e in events if e["event"] == "request")
         assert request["hints"] == ["predicted_tokens", "tbt_ms"] and request["priority"] == 2
         assert request["predicted_tokens"] == 5
+        # the bench's OpenAI client times each streamed token of a server without a tokenizer
+        record = asyncio.run(_bench_one(f"{base}/v1", [5, 6, 7, 8, 9, 10], 6))
+        assert not record.error_code and record.finish_reason == "length", record.message
+        assert len(record.token_times) == 6 and len(set(record.token_times)) > 1, record.token_times
     finally:
         proc.terminate()
         try:

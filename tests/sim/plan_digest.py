@@ -140,7 +140,7 @@ def run_case(policy: str, trace: str, seed: int, overlap: bool) -> dict[str, Any
     from scheduler_service.costmodel.factory import build_cost_model
     from scheduler_service.sim.simulator import SimConfig, Simulation
     from scheduler_service.sim.slo_profiles import apply_slo_profile
-    from scheduler_service.sim.workloads import apply_arrivals, load_trace
+    from scheduler_service.workloads import apply_arrivals, load_trace
 
     case = CASES[trace]
     cm = build_cost_model("analytic", "llama-2-7b", "a100-80g")
@@ -152,10 +152,12 @@ def run_case(policy: str, trace: str, seed: int, overlap: bool) -> dict[str, Any
         max_model_len=8192,
         max_tokens=case.max_tokens,
         kv_gb=case.kv_gb,
-        swap_space_gb=1.0,
+        swap_space_gib=1.0,
         length_source=case.length_source,
         seed=seed,
         overlap=overlap,
+        max_waiting=None,  # the digests were recorded with unbounded queues and no offline queue
+        max_offline_waiting=0,
     )
     sim = Simulation(config, wl, cm)
     recorders: dict[int, _Recorder] = {}

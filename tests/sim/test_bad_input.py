@@ -30,7 +30,7 @@ def refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
         (["--kv-gb", "-1"], "--kv-gb must be > 0 GiB, got -1.0"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1"),
-        (["--swap-space-gb", "-2"], "--swap-space-gb must be >= 0"),
+        (["--swap-space-gib", "-2"], "--swap-space-gib must be >= 0"),
         (["--policy", "sarathi:budget=-5"], "option 'budget' must be >= 0, got -5"),
         (["--policy", "sarathi:budget=abc"], "option 'budget': not an integer: 'abc'"),
         (["--policy", "alise:age_threshold_s=-1"], "option 'age_threshold_s' must be >= 0"),

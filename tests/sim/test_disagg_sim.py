@@ -12,7 +12,7 @@ from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.disagg_search import cheapest_split, goodput
 from scheduler_service.sim.network import load_network
 from scheduler_service.sim.simulator import SimConfig, Simulation, simulate
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
 from services.cli import main
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, simulate
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
-from scheduler_service.sim.workloads.multiturn import NUM_SESSIONS
+from scheduler_service.workloads import apply_arrivals, load_trace
+from scheduler_service.workloads.multiturn import NUM_SESSIONS
 from sluice.common.tokenizer import Tokenizer
 
 

@@ -8,17 +8,19 @@ from dataclasses import replace
 
 import numpy as np
 
+from predictor_service.trace_lengths import OnlineTracePredictor
+from scheduler_service.cluster.length_sources import LearningLengths
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, Simulation
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
-from services.lengths import OnlinePredictorLengths
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
+from services.predictor_lengths import trace_prompts
 from sluice.common.tokenizer import demo_tokenizer_path
 
 
-class _Recording(OnlinePredictorLengths):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+class _Recording(LearningLengths):
+    def __init__(self, workload: Workload) -> None:
+        super().__init__(OnlineTracePredictor(None, trace_prompts(workload), progress=False))
         self.predicted: dict[str, int] = {}
         self.ended: list[RequestStatus] = []
 
@@ -41,14 +43,15 @@ def _twice(n: int) -> Workload:
 
 def test_history_learns_finished_requests_and_repeats_are_predicted_from_them() -> None:
     wl = _twice(30)
-    source = _Recording(None, wl, progress=False)
-    seed_entries = len(source.predictor.history)
+    source = _Recording(wl)
+    history = source.predictor.length_predictor.history
+    seed_entries = len(history)
     cm = build_cost_model("analytic", "opt-13b", "a100-80g")
     Simulation(SimConfig(policy="vllm", kv_gb=8, block_size=32), wl, cm, source).run()
     # every request that stopped on its own was learned; one cut at max_tokens was not
     stopped = source.ended.count(RequestStatus.FINISHED_STOPPED)
-    assert stopped > 0 and source.num_observed == stopped
-    assert len(source.predictor.history) == seed_entries + stopped
+    assert stopped > 0 and source.predictor.num_observed == stopped
+    assert len(history) == seed_entries + stopped
     # a prompt asked again after its answer was learned is predicted from it (an exact neighbour)
     true = {r.request_id: r.output_tokens for r in wl.requests}
     first = [r.request_id for r in wl.requests[:30]]

@@ -13,7 +13,7 @@ from scheduler_service.core.metrics import METRIC_KEYS
 from scheduler_service.costmodel.base import CostModel
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, simulate
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
 from services.cli import main
 
 
@@ -107,9 +107,11 @@ def test_prompts_larger_than_the_kv_cache_are_rejected_and_do_not_block_the_queu
 
 def test_cpu_overhead_model_adds_its_cost_to_every_step(cost_model: CostModel) -> None:
     one = apply_arrivals(load_trace("sharegpt", num_requests=1), "poisson", rate=1.0, seed=0)
-    base = simulate(SimConfig(policy="sarathi:budget=512"), one, cost_model)
+    base = simulate(SimConfig(policy="sarathi:budget=512", overlap=False), one, cost_model)
     slow = simulate(
-        SimConfig(policy="sarathi:budget=512", step_overhead_s=0.002, seq_overhead_s=0.001), one, cost_model
+        SimConfig(policy="sarathi:budget=512", step_overhead_s=0.002, seq_overhead_s=0.001, overlap=False),
+        one,
+        cost_model,
     )
     steps = base.details["num_steps"]
     assert slow.details["num_steps"] == steps  # one request: the same steps, each 3 ms dearer
@@ -175,8 +177,8 @@ def test_overlap_hides_the_cpu_overhead_behind_the_previous_step(cost_model: Cos
     ahead of the request's last token, its token discarded) runs at the end."""
     one = apply_arrivals(load_trace("sharegpt", num_requests=1), "poisson", rate=1.0, seed=0)
     policy = "sarathi:budget=512"
-    base = simulate(SimConfig(policy=policy), one, cost_model)
-    slow = simulate(SimConfig(policy=policy, step_overhead_s=0.003), one, cost_model)
+    base = simulate(SimConfig(policy=policy, overlap=False), one, cost_model)
+    slow = simulate(SimConfig(policy=policy, step_overhead_s=0.003, overlap=False), one, cost_model)
     hidden = simulate(SimConfig(policy=policy, step_overhead_s=0.003, overlap=True), one, cost_model)
     steps = base.details["num_steps"]
     assert hidden.details["num_steps"] == steps + 1
@@ -191,7 +193,7 @@ def test_overlap_hides_the_cpu_overhead_behind_the_previous_step(cost_model: Cos
 
 
 def test_overlap_in_the_simulator_finishes_every_request_of_a_trace(cost_model: CostModel, sharegpt: Workload) -> None:
-    base = simulate(SimConfig(policy="vllm", step_overhead_s=0.002), sharegpt, cost_model)
+    base = simulate(SimConfig(policy="vllm", step_overhead_s=0.002, overlap=False), sharegpt, cost_model)
     over = simulate(SimConfig(policy="vllm", step_overhead_s=0.002, overlap=True), sharegpt, cost_model)
     assert over.metrics["num_finished"] == base.metrics["num_finished"]
     assert over.metrics["jct_s"]["p50"] < base.metrics["jct_s"]["p50"]

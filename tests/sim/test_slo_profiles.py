@@ -13,7 +13,7 @@ from scheduler_service.sim.slo_profiles import (
     apply_slo_profile,
     group_prefill_means,
 )
-from scheduler_service.sim.workloads import Workload, load_trace
+from scheduler_service.workloads import Workload, load_trace
 from sluice.contract.profile import BatchShape
 
 

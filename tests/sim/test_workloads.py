@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from scheduler_service.core.slo import SLOClass, SLOSpec
-from scheduler_service.sim.workloads import (
+from scheduler_service.workloads import (
     SYNTHETIC_WORKLOADS,
     HFTokenizerCounter,
     WordTokenCounter,

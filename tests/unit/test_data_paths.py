@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_service.sim.workloads import load_trace
+from scheduler_service.workloads import load_trace
 from sluice.common.paths import (
     DataFileNotFoundError,
     bundle_dir,
@@ -78,7 +78,7 @@ def test_a_file_no_folder_has_is_one_line_naming_it_and_where_to_put_it(monkeypa
 
 
 def test_a_short_name_whose_file_is_missing_says_which_trace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr("scheduler_service.sim.workloads.loader.SHORT_NAMES", {"gone": "traces/gone.csv"})
+    monkeypatch.setattr("scheduler_service.workloads.loader.SHORT_NAMES", {"gone": "traces/gone.csv"})
     with pytest.raises(FileNotFoundError, match=r"^trace 'gone': data file 'traces/gone.csv' is in none of"):
         load_trace("gone")
 

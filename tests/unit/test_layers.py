@@ -8,6 +8,17 @@
     kvstore/                           accounting (pure Python) and paged (torch)
     sluice/                            the ground floor: contracts and plumbing, no service
 
+Inside scheduler_service, lower layers never import higher ones:
+
+    server.py                          the gRPC front of the live service
+    live/   loadgen/                   the live driver; the client-side load generator (sluice bench)
+    sim/                               the simulator driver, SLO profiles, capacity search
+    cluster/                           ClusterSpec, build_cluster, Cluster, length sources
+    policies/  routers/                the decisions (a policy package may hold its own router)
+    workloads/                         traces, arrivals, synthetic workloads
+    core/                              request, scheduler, step builder, metrics, SLO judging
+    costmodel/                         step-time and memory arithmetic
+
 Read from the source with `ast`, imports inside functions and under TYPE_CHECKING included,
 so a late import cannot sneak a back edge in.
 """
@@ -52,7 +63,24 @@ VLLM_ADAPTERS = (
 )
 
 
+# scheduler_service's layers (a package or a module under it) -> its layers it must never import
+_ABOVE_SIM = ("live", "server", "loadgen")
+INNER_FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "costmodel": ("core", "workloads", "policies", "routers", "cluster", "sim", *_ABOVE_SIM),
+    "core": ("workloads", "policies", "routers", "cluster", "sim", *_ABOVE_SIM),
+    "workloads": ("policies", "routers", "cluster", "sim", *_ABOVE_SIM),
+    "policies": ("workloads", "cluster", "sim", *_ABOVE_SIM),
+    "routers": ("policies", "workloads", "cluster", "sim", *_ABOVE_SIM),
+    "cluster": ("workloads", "sim", *_ABOVE_SIM),
+    "sim": _ABOVE_SIM,
+    "live": ("sim", "workloads", "server", "loadgen"),
+    "loadgen": ("live", "server"),
+}
+
+
 def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import; `from package import name` also yields
+    `package.name`, since the name may be a module."""
     tree = ast.parse(path.read_text(), filename=str(path))
     found = []
     for node in ast.walk(tree):
@@ -60,6 +88,7 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names if alias.name != "*"]
     return found
 
 
@@ -79,6 +108,49 @@ def test_package_imports_nothing_above_or_beside_it(package: str) -> None:
     if not (ROOT / package).is_dir():
         pytest.skip(f"{package}/ does not exist")
     assert violations(package, FORBIDDEN[package]) == []
+
+
+def scheduler_layer_files(layer: str, root: Path = ROOT) -> list[Path]:
+    base = root / "scheduler_service"
+    return sorted((base / layer).rglob("*.py")) if (base / layer).is_dir() else [base / f"{layer}.py"]
+
+
+def inner_violations(layer: str, root: Path = ROOT) -> list[str]:
+    forbidden = tuple(f"scheduler_service.{name}" for name in INNER_FORBIDDEN[layer])
+    out: dict[tuple[Path, int, str], str] = {}  # one entry per line and layer reached
+    for path in scheduler_layer_files(layer, root):
+        for line, module in imported_modules(path):
+            for f in forbidden:
+                if module == f or module.startswith(f + "."):
+                    out.setdefault((path, line, f), f"{path.relative_to(root)}:{line} imports {module}")
+    return list(out.values())
+
+
+@pytest.mark.parametrize("layer", sorted(INNER_FORBIDDEN))
+def test_scheduler_layer_imports_nothing_above_it(layer: str) -> None:
+    assert scheduler_layer_files(layer)[0].exists(), f"scheduler_service/{layer} does not exist"
+    assert inner_violations(layer) == []
+
+
+def test_every_scheduler_package_has_a_layer() -> None:
+    """A new package under scheduler_service must be placed in the order above."""
+    base = ROOT / "scheduler_service"
+    packages = {p.name for p in base.iterdir() if (p / "__init__.py").exists()}
+    modules = {p.stem for p in base.glob("*.py") if p.stem != "__init__"}
+    assert packages | modules == set(INNER_FORBIDDEN) | {"server"}
+
+
+def test_the_checker_sees_an_inner_back_edge(tmp_path: Path) -> None:
+    """`from scheduler_service import sim` in cluster/ is a back edge, as is a late import in core/."""
+    (tmp_path / "scheduler_service" / "cluster").mkdir(parents=True)
+    (tmp_path / "scheduler_service" / "core").mkdir()
+    (tmp_path / "scheduler_service" / "cluster" / "a.py").write_text("from scheduler_service import sim\n")
+    (tmp_path / "scheduler_service" / "core" / "b.py").write_text(
+        "def f():\n    from scheduler_service.policies.common import x\n    from scheduler_service.costmodel import y\n"
+    )
+    assert inner_violations("cluster", tmp_path) == ["scheduler_service/cluster/a.py:1 imports scheduler_service.sim"]
+    found = inner_violations("core", tmp_path)
+    assert found == ["scheduler_service/core/b.py:2 imports scheduler_service.policies.common"]
 
 
 def test_vllm_is_imported_only_by_its_adapters() -> None:
@@ -118,7 +190,8 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     """The check itself: a late import inside a function is found."""
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from scheduler_service.core import plan\n    import torch.nn\n")
-    assert [m for _, m in imported_modules(module)] == ["scheduler_service.core", "torch.nn"]
+    found = [m for _, m in imported_modules(module)]
+    assert found == ["scheduler_service.core", "scheduler_service.core.plan", "torch.nn"]
 
 
 def test_the_engine_contract_and_registry_stay_free_of_torch_and_vllm() -> None:
@@ -138,8 +211,10 @@ def cross_references(tree: str, other: str) -> list[str]:
     for path in sorted((ROOT / tree).rglob("*.py")):
         rel = path.relative_to(ROOT)
         text = path.read_text()
+        seen: set[int] = set()  # one entry per import line (`from a import b` also yields a.b)
         for line, module in imported_modules(path):
-            if module.split(".")[0] == other:
+            if module.split(".")[0] == other and line not in seen:
+                seen.add(line)
                 out.append(f"{rel}:{line} imports {module}")
         for node in ast.walk(ast.parse(text)):
             if not isinstance(node, ast.Call):

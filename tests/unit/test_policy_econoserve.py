@@ -14,7 +14,7 @@ from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.policies.econoserve.queues import OrderingConfig, PTQueue, ordering_key
 from scheduler_service.sim.simulator import SimConfig, Simulation
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
+from scheduler_service.workloads import apply_arrivals, load_trace
 from sluice.contract.plan import KVMoveKind
 
 # Figure 7 in tokens: block_size 1, no padding, buffer or reserve, so 1 block = 1 token; with

@@ -7,8 +7,8 @@ from __future__ import annotations
 from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.simulator import SimConfig, Simulation
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import Workload, apply_arrivals, load_trace
-from scheduler_service.sim.workloads.base import TraceRequest
+from scheduler_service.workloads import Workload, apply_arrivals, load_trace
+from scheduler_service.workloads.base import TraceRequest
 
 CM = build_cost_model("analytic", "opt-13b", "a100-80g")
 

@@ -224,7 +224,7 @@ def test_keep_kv_swaps_a_request_out_at_its_slice_end_when_others_wait_and_back_
 # ---------------------------------------------------------------- end to end
 def test_scls_router_and_policy_serve_every_request_in_the_simulator_and_count_each_once() -> None:
     from scheduler_service.sim.simulator import SimConfig, Simulation
-    from scheduler_service.sim.workloads import apply_arrivals, load_trace
+    from scheduler_service.workloads import apply_arrivals, load_trace
 
     cm = build_cost_model("analytic", "llama-2-13b", "a100-80g")
     wl = apply_arrivals(load_trace("sharegpt", num_requests=60, seed=1), "poisson", rate=4.0, seed=1)

@@ -10,7 +10,7 @@ from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.report import write_json
 from scheduler_service.sim.simulator import SimConfig, Simulation
 from scheduler_service.sim.slo_profiles import apply_slo_profile
-from scheduler_service.sim.workloads import apply_arrivals, load_trace
+from scheduler_service.workloads import apply_arrivals, load_trace
 
 
 def _workload(cm, n: int = 60):  # type: ignore[no-untyped-def]

@@ -15,7 +15,7 @@ from sluice_bench.vllm_plugin_harness import build_scheduler, make_request, step
 from sluice_vllm.config import PluginConfigError
 from sluice_vllm.policies import LinearStepTime
 from sluice_vllm.scheduler import SluiceAsyncScheduler, SluiceScheduler
-from sluice_vllm.vllm_compat import Scheduler, UnsupportedVLLMError, check_version
+from sluice_vllm.vllm_compat import RequestStatus, Scheduler, UnsupportedVLLMError, check_version
 
 BASES = [SluiceScheduler, SluiceAsyncScheduler]
 
@@ -101,6 +101,20 @@ def test_sarathi_budget_is_the_tbt_slo_tau_and_chunks_long_prompts() -> None:
     sizes = [step(s).total_num_scheduled_tokens for _ in range(4)]
     assert sizes[:3] == [224, 224, 224]  # the 700-token prompt in chunks of tau
     assert max(sizes) <= 224
+
+
+def test_sarathi_without_an_slo_option_sizes_tau_by_the_tightest_client_tbt_slo() -> None:
+    """The clients' own tbt_ms reach tau (as in Sluice's Sarathi); the paper's 512 without one."""
+    s = plug(SluiceScheduler, "sarathi:step_base_ms=5,step_us_per_token=100")
+    assert step(s).total_num_scheduled_tokens == 0 and s.max_num_scheduled_tokens == 512
+    s.add_request(make_request("loose", 700, 4, tbt_ms=60))
+    s.add_request(make_request("tight", 700, 4, arrival=1, tbt_ms=30))
+    s.add_request(make_request("batch", 700, 4, arrival=2, jct_ms=600000))  # offline: no TBT SLO
+    assert step(s).total_num_scheduled_tokens == 224  # (30 - 5) ms / 0.1 ms = 250 -> 224
+    assert s.max_num_scheduled_tokens == budget_from_tbt_slo(LinearStepTime(0.005, 1e-4), 0.03, 32) == 224
+    s.finish_requests(["tight"], RequestStatus.FINISHED_ABORTED)
+    step(s)
+    assert s.max_num_scheduled_tokens == budget_from_tbt_slo(LinearStepTime(0.005, 1e-4), 0.06, 32)
 
 
 def test_sarathi_fixed_budget_and_a_bad_value_is_named() -> None:

@@ -93,7 +93,9 @@ class AccelGenConfig(PolicyConfig):
     long_prompt_tokens: int = 4096  # a prompt this long is "long" for ERA
     gamma_s: float = 0.75  # candidate window: T_r <= T_r(first non-urgent) + gamma (section 6.1)
     default_ttft_s: float = 1.0  # prompt SLO when a request has no TTFT SLO
-    default_tbt_s: float = 0.1875  # TBT SLO when absent (normal reading speed, section 4.3)
+    # TBT SLO of a request that sets none: this option, else the deployment's (`tbt_slo_s`, as
+    # core/slo.py resolves it for every policy), else normal reading speed (section 4.3)
+    default_tbt_s: float | None = None
     min_budget: int = 256  # floor of S_b: TTFT SLOs below one iteration's fixed cost would starve it
     fixed_budget: int = 512  # S_b when `chunk` is off (Sarathi's strict budget)
     pivot_tokens: int | None = None  # S_pf override (default: the cost model's pivot)
@@ -127,6 +129,9 @@ class _Round:
     memo_preempted: int = 0
 
 
+READING_SPEED_TBT_S = 0.1875  # normal reading speed (section 4.3)
+
+
 @POLICIES.register("accelgen")
 class AccelGenPolicy(Policy):
     name = "accelgen"
@@ -135,9 +140,10 @@ class AccelGenPolicy(Policy):
 
     def __init__(self, config: AccelGenConfig, ctx: PolicyContext) -> None:
         super().__init__(config, ctx)
+        self.default_tbt_s = config.default_tbt_s or ctx.tbt_slo_s or READING_SPEED_TBT_S
         self.pivot_tokens, self.pivot_s = self._pivot()
         self.rt = RemainingTime(
-            self.pivot_s, self.pivot_tokens, config.default_ttft_s, config.default_tbt_s, config.t_max_window
+            self.pivot_s, self.pivot_tokens, config.default_ttft_s, self.default_tbt_s, config.t_max_window
         )
         self.index = DeadlineIndex()
         self.long_active: set[str] = set()
@@ -154,7 +160,7 @@ class AccelGenPolicy(Policy):
             return c.pivot_tokens, c.pivot_s
         if self.ctx.cost_model is not None:
             return pivot_forward_size(self.ctx.cost_model)
-        return self.ctx.max_num_batched_tokens, c.default_tbt_s
+        return self.ctx.max_num_batched_tokens, self.default_tbt_s
 
     # ------------------------------------------------------------------ budget (Eq. 6)
     def budget_for(self, slo_min_s: float) -> int:

@@ -11,7 +11,7 @@ from predictor_service.blend import BlendConfig, blend, to_tokens
 from predictor_service.cache import MemoryCache, cache_key
 from predictor_service.redis_guard import CircuitBreaker
 from predictor_service.retrieval import HNSW_MIN, History, Neighbours
-from sluice.contract.lengths import LengthPrediction
+from sluice.contract.length_prediction import LengthPrediction
 
 LEVELS = (0.1, 0.25, 0.5, 0.75, 0.9)
 HEAD = np.log1p(np.array([[50.0, 80.0, 120.0, 200.0, 300.0]]))

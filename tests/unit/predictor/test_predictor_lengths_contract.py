@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sluice.contract.lengths import (
+from sluice.contract.length_prediction import (
     LengthErrorModel,
     LengthPrediction,
     bucket_accuracy,

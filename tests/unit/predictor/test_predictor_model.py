@@ -56,7 +56,7 @@ def test_mode_bin_point_lands_in_the_most_probable_bin(tiny_predictor: LengthPre
 
     from predictor_service.blend import bin_probabilities
     from predictor_service.encoder import size_features
-    from sluice.contract.lengths import length_bucket
+    from sluice.contract.length_prediction import length_bucket
 
     prompts = ["Write a long essay about the history of Rome.", "Say yes or no.", "Explain TCP in detail."]
     predictor = tiny_predictor.with_new_history()

@@ -60,6 +60,6 @@ def test_the_vllm_engine_class_has_every_member_of_the_contract() -> None:
 
 
 def test_an_unknown_engine_is_refused_naming_the_choices() -> None:
-    with pytest.raises(ValueError, match="engine: must be one of torch, echo, vllm, none"):
+    with pytest.raises(ValueError, match="engine: must be one of echo, torch, vllm, none"):
         engine_class("tensorrt")
     assert set(ENGINES) == {"torch", "echo", "vllm"}

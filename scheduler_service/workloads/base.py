@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from scheduler_service.core.slo import SLOSpec
-from scheduler_service.registry import Registry
+from sluice.common.registry import Registry
 
 
 @dataclass(frozen=True, slots=True)

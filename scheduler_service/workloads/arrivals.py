@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler_service.sim.workloads.base import Workload
+from scheduler_service.workloads.base import Workload
 
 ARRIVAL_PROCESSES = ("auto", "trace", "poisson", "gamma")
 

@@ -19,8 +19,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from scheduler_service.sim.workloads.base import FileHead, ReadOptions, TraceFormat, TraceRequest, register_format
-from scheduler_service.sim.workloads.fileio import iter_csv_rows
+from scheduler_service.workloads.base import FileHead, ReadOptions, TraceFormat, TraceRequest, register_format
+from scheduler_service.workloads.fileio import iter_csv_rows
 
 _VIDUR_COLUMNS = {"num_prefill_tokens", "num_decode_tokens"}
 _AZURE_COLUMNS = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}

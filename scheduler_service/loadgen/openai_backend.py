@@ -5,7 +5,9 @@
         .describe()          GET /v1/models -> the model (the first, unless named) and its
                              max_model_len where the server lists one (vLLM and Sluice do)
         .send(record, t0)    POST /v1/completions, stream, stream_options.include_usage:
-                             each SSE chunk with a choice is one token at its arrival time;
+                             each SSE chunk with a choice is one token at its arrival time
+                             (or as many as it names with vLLM's return_token_ids, asked for
+                             with token_ids=True);
                              tokens the final usage counts beyond the chunks (a server that
                              sends several tokens in one chunk) get the last chunk's time,
                              so the first and last token times, and the mean gap, are exact
@@ -26,7 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from services.bench import RequestRecord
+    from scheduler_service.loadgen.requests import RequestRecord
 
 HTTP_TO_GRPC = {
     400: "INVALID_ARGUMENT",
@@ -65,9 +67,14 @@ KEEPALIVE_S = 3.0  # seconds an idle connection is kept for the next request
 class OpenAIBench:
     """An aiohttp session to one OpenAI-compatible server (connections kept alive)."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None) -> None:
+    def __init__(
+        self, base_url: str, api_key: str | None = None, model: str | None = None, token_ids: bool = False
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
+        # vLLM's `return_token_ids`: each chunk names its tokens, so a server without a tokenizer
+        # (empty text) still reports every token; sent only when asked (OpenAI refuses unknown fields)
+        self.token_ids = token_ids
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.session: Any = None
 
@@ -117,6 +124,8 @@ class OpenAIBench:
             body["user"] = r.tenant
         if r.ignore_eos:
             body["ignore_eos"] = True
+        if self.token_ids:
+            body["return_token_ids"] = True
         if r.priority:
             body["priority"] = r.priority
         for name, value in (("ttft_ms", r.slo.ttft_s), ("tbt_ms", r.slo.tbt_s), ("jct_ms", r.slo.jct_s)):
@@ -158,9 +167,10 @@ class OpenAIBench:
                     return
                 usage = event.get("usage") or usage
                 for choice in event.get("choices") or ():
-                    if choice.get("text"):
-                        chunks += 1
-                        record.token_times.append(now)
+                    # a chunk's tokens: those it names (return_token_ids), else one per chunk with text
+                    count = len(choice.get("token_ids") or ()) or (1 if choice.get("text") else 0)
+                    chunks += count
+                    record.token_times.extend([now] * count)
                     if choice.get("finish_reason"):
                         record.finish_reason = choice["finish_reason"]
             if usage:

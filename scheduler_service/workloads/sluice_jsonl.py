@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler_service.core.slo import SLOClass, SLOSpec
-from scheduler_service.sim.workloads.base import (
+from scheduler_service.workloads.base import (
     FileHead,
     ReadOptions,
     TraceFormat,
@@ -25,7 +25,7 @@ from scheduler_service.sim.workloads.base import (
     Workload,
     register_format,
 )
-from scheduler_service.sim.workloads.fileio import iter_jsonl
+from scheduler_service.workloads.fileio import iter_jsonl
 
 
 def _ms_to_s(value: Any) -> float | None:

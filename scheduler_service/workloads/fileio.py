@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from scheduler_service.sim.workloads.base import FileHead
+from scheduler_service.workloads.base import FileHead
 from sluice.common.paths import open_text
 
 _CHUNK_CHARS = 1 << 20

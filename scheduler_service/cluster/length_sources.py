@@ -7,8 +7,10 @@ Cluster when a request is submitted (so the simulator and the live service share
     given          keep what the request carries (live: the client's field or the predictor's
                    answer, set at intake), else no prediction
     table          precomputed predictions by request id (a predictor run over a trace's prompts)
-    online         the predictor at submission, its history learning each finished request's
-                   true length (services/lengths.py), as the live service's does
+    online         a predictor asked at submission, told each true length when a request
+                   stops on its own (LearningLengths; the simulator's `predictor-online` wraps
+                   predictor_service.trace_lengths.OnlineTracePredictor), as the live
+                   service's predictor learns
 
 A request that already carries a prediction keeps it, so a request re-routed after a lost
 worker or a returned slice is never predicted twice.
@@ -18,11 +20,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
 
-from scheduler_service.core.request import Request
+from scheduler_service.core.request import Request, RequestStatus
 
 
 class LengthSource(ABC):
@@ -91,6 +93,33 @@ class TableLengths(LengthSource):
 
     def predict(self, request: Request) -> int | None:
         return self.predictions.get(request.request_id)
+
+
+class LearningPredictor(Protocol):
+    num_observed: int
+
+    def predict(self, request_id: str) -> int | None: ...
+
+    def observe(self, request_id: str, output_tokens: int) -> None: ...
+
+
+class LearningLengths(LengthSource):
+    """A predictor asked when each request is submitted and told each request's true length
+    when it ends on its own."""
+
+    name = "predictor-online"  # type: ignore[assignment]
+
+    def __init__(self, predictor: LearningPredictor) -> None:
+        self.predictor = predictor
+
+    def predict(self, request: Request) -> int | None:
+        return self.predictor.predict(request.request_id)
+
+    def observe(self, request: Request) -> None:
+        # NOTE: only a request that stopped on its own: a length cut at max_tokens is a lower
+        # bound and an abort says nothing (the live predictor's rule)
+        if request.status is RequestStatus.FINISHED_STOPPED:
+            self.predictor.observe(request.request_id, request.num_output_tokens)
 
 
 BUILTIN_LENGTH_SOURCES = ("max_tokens", "oracle", "noisy_oracle", "given")

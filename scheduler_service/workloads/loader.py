@@ -14,14 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from scheduler_service.sim.workloads import (  # noqa: F401  (registration)
+from scheduler_service.workloads import (  # noqa: F401  (registration)
     csv_formats,
     json_formats,
     multiturn,
     sluice_jsonl,
 )
-from scheduler_service.sim.workloads.arrivals import apply_arrivals
-from scheduler_service.sim.workloads.base import (
+from scheduler_service.workloads.arrivals import apply_arrivals
+from scheduler_service.workloads.base import (
     TRACE_FORMATS,
     FileHead,
     ReadOptions,
@@ -29,9 +29,9 @@ from scheduler_service.sim.workloads.base import (
     TraceRequest,
     Workload,
 )
-from scheduler_service.sim.workloads.fileio import read_head
-from scheduler_service.sim.workloads.synthetic import SYNTHETIC_WORKLOADS
-from scheduler_service.sim.workloads.tokens import TokenCounter, make_token_counter
+from scheduler_service.workloads.fileio import read_head
+from scheduler_service.workloads.synthetic import SYNTHETIC_WORKLOADS
+from scheduler_service.workloads.tokens import TokenCounter, make_token_counter
 from sluice.common.paths import DataFileNotFoundError, data_file, portable_path
 
 SHORT_NAMES: dict[str, str] = {

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scheduler_service.sim.workloads.base import FileHead, ReadOptions, TraceFormat, TraceRequest, register_format
-from scheduler_service.sim.workloads.fileio import iter_json_records
-from scheduler_service.sim.workloads.tokens import HFTokenizerCounter
+from scheduler_service.workloads.base import FileHead, ReadOptions, TraceFormat, TraceRequest, register_format
+from scheduler_service.workloads.fileio import iter_json_records
+from scheduler_service.workloads.tokens import HFTokenizerCounter
 
 # NOTE: 64 users talking at once: at 8 req/s a user's next turn comes 8 s after the last on
 # average, a reading-and-typing pause, and enough for a 300-token answer to be generated

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from scheduler_service.sim.workloads.base import FileHead, ReadOptions, TraceFormat, TraceRequest, register_format
-from scheduler_service.sim.workloads.fileio import iter_json_records, iter_jsonl
+from scheduler_service.workloads.base import FileHead, ReadOptions, TraceFormat, TraceRequest, register_format
+from scheduler_service.workloads.fileio import iter_json_records, iter_jsonl
 
 _HUMAN = {"human", "user"}
 _ASSISTANT = {"gpt", "assistant", "chatgpt"}

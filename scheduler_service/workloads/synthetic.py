@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from scheduler_service.registry import Registry
-from scheduler_service.sim.workloads.arrivals import poisson_arrivals
-from scheduler_service.sim.workloads.base import TraceRequest, Workload
+from scheduler_service.workloads.arrivals import poisson_arrivals
+from scheduler_service.workloads.base import TraceRequest, Workload
+from sluice.common.registry import Registry
 
 _NORMAL = NormalDist()
 _Z90 = _NORMAL.inv_cdf(0.9)

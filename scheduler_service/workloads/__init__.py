@@ -6,21 +6,21 @@ format, or a synthetic generator with the papers' statistics) -> `Workload` of
 `scheduler_service.sim.slo_profiles.apply_slo_profile` -> simulator / `sluice bench`.
 """
 
-from scheduler_service.sim.workloads.arrivals import (
+from scheduler_service.workloads.arrivals import (
     ARRIVAL_PROCESSES,
     apply_arrivals,
     gamma_arrivals,
     poisson_arrivals,
     rescale_to_rate,
 )
-from scheduler_service.sim.workloads.base import (
+from scheduler_service.workloads.base import (
     TRACE_FORMATS,
     TraceFormat,
     TraceRequest,
     Workload,
     WorkloadStats,
 )
-from scheduler_service.sim.workloads.loader import (
+from scheduler_service.workloads.loader import (
     SHORT_NAMES,
     detect_format,
     known_names,
@@ -28,9 +28,9 @@ from scheduler_service.sim.workloads.loader import (
     read_trace_file,
     resolve_path,
 )
-from scheduler_service.sim.workloads.sluice_jsonl import write_sluice_jsonl
-from scheduler_service.sim.workloads.synthetic import SYNTHETIC_WORKLOADS, LengthDist, SyntheticSpec, generate_synthetic
-from scheduler_service.sim.workloads.tokens import (
+from scheduler_service.workloads.sluice_jsonl import write_sluice_jsonl
+from scheduler_service.workloads.synthetic import SYNTHETIC_WORKLOADS, LengthDist, SyntheticSpec, generate_synthetic
+from scheduler_service.workloads.tokens import (
     HFTokenizerCounter,
     TokenCounter,
     WordTokenCounter,
