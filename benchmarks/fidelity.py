@@ -48,7 +48,7 @@ from sluice.common.client import SluiceClient
 from sluice.contract.profile import BatchShape
 from sluice_bench.live import ROOT, spawn_worker
 from sluice_bench.options import benchmark_parser
-from sluice_bench.report import write_json
+from sluice_bench.report import format_table, write_json
 
 BLOCK_SIZE = 16
 
@@ -205,22 +205,28 @@ def report(result: dict, args: argparse.Namespace) -> str:
         "prefill starts",
         f"requests compared: {len(live)}",
         "",
-        "| simulator | metric | live p50 ms | sim p50 ms | median abs error | p90 abs error |",
-        "|---|---|---|---|---|---|",
     ]
     rows = (
         ("cost model only", "sim_model_only"),
         ("cost model + CPU overhead per step and sequence", "sim_two_terms"),
         ("cost model + CPU overhead, also per new sequence", "sim"),
     )
+    table = []
     for name, key in [(n, k) for n, k in rows if k in result]:
         sim = result[key]
         for metric, i in (("JCT", 1), ("TTFT", 0)):
             e = errors(live, sim, i)
-            lines.append(
-                f"| {name} | {metric} | {p50(live, i):.1f} | {p50(sim, i):.1f} | {np.median(e):.1%} | "
-                f"{np.percentile(e, 90):.1%} |"
+            table.append(
+                {
+                    "simulator": name,
+                    "metric": metric,
+                    "live p50 ms": f"{p50(live, i):.1f}",
+                    "sim p50 ms": f"{p50(sim, i):.1f}",
+                    "median abs error": f"{np.median(e):.1%}",
+                    "p90 abs error": f"{np.percentile(e, 90):.1%}",
+                }
             )
+    lines.append(format_table(table))
     jct = np.median(errors(live, result["sim"], 1))
     verdict = "met" if jct <= args.target else "missed"
     lines += ["", f"target: median absolute JCT error <= {args.target:.0%}: {verdict} ({jct:.1%})"]
