@@ -25,6 +25,7 @@ from sluice.contract.plan_codec import PlanSender
 from sluice.contract.sampling import SamplingParams
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from sluice_bench.options import benchmark_parser
+from sluice_bench.report import print_table
 from worker_service.echo_engine import EchoEngine
 from worker_service.engine import EngineConfig
 from worker_service.server import EngineRunner, WarmupDefaults, WorkerServicer, build_server
@@ -97,11 +98,12 @@ async def main(args: argparse.Namespace) -> None:
     await bare.stop(None)
     where = f"echo worker, in-process; median of {args.rounds} rounds x {args.steps} steps"
     print(f"Execute round trip per decode step ({where})")
-    print(f"{'sequences':>10} {'bare us':>9} {'guarded us':>11} {'difference us':>14}")
+    rows = []
     for n in sizes:
         bare_us = 1e6 * statistics.median(results[("bare", n)])
         guard_us = 1e6 * statistics.median(results[("guarded", n)])
-        print(f"{n:>10} {bare_us:>9.0f} {guard_us:>11.0f} {guard_us - bare_us:>+14.0f}")
+        rows.append({"sequences": n, "bare us": bare_us, "guarded us": guard_us, "difference us": guard_us - bare_us})
+    print_table(rows, formats={"bare us": "{:.0f}", "guarded us": "{:.0f}", "difference us": "{:+.0f}"})
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from scheduler_service.workloads.base import Workload
 from sluice.contract.plan import StepResult
 from sluice.contract.sampling import SamplingParams
 from sluice_bench.options import benchmark_parser
+from sluice_bench.report import format_table
 
 POLICIES = [
     "vllm_chunked",
@@ -163,10 +164,7 @@ def main() -> None:
         tqdm.write(
             f"\n{running} running, {waiting} waiting, {args.steps} steps, {args.rounds} round(s), {args.clock} time"
         )
-        tqdm.write(
-            f"{'policy':<26} {'mean ms':>8} {'p50 ms':>8} {'p99 ms':>8} {'mean/vllm':>9} {'p99/vllm':>9} "
-            f"{'running':>8} {'paused':>7} {'waiting':>8}"
-        )
+        rows = []
         for policy in specs:
             rs = results[policy]
             mean_ratio = statistics.median(r["mean"] / b["mean"] for r, b in zip(rs, results[BASELINE], strict=True))
@@ -174,18 +172,31 @@ def main() -> None:
             mean = statistics.median(r["mean"] for r in rs)
             means[(policy, running, waiting)] = mean
             last = rs[-1]
-            tqdm.write(
-                f"{policy:<26} {mean:8.3f} {statistics.median(r['p50'] for r in rs):8.3f} "
-                f"{statistics.median(r['p99'] for r in rs):8.3f} {mean_ratio:8.2f}x {p99_ratio:8.2f}x "
-                f"{last['running']:8d} {last['paused']:7d} {last['waiting']:8d}"
+            rows.append(
+                {
+                    "policy": policy,
+                    "mean ms": mean,
+                    "p50 ms": statistics.median(r["p50"] for r in rs),
+                    "p99 ms": statistics.median(r["p99"] for r in rs),
+                    "mean/vllm": mean_ratio,
+                    "p99/vllm": p99_ratio,
+                    "running": last["running"],
+                    "paused": last["paused"],
+                    "waiting": last["waiting"],
+                }
             )
+        ms, ratio = "{:.3f}", "{:.2f}x"
+        formats = {"mean ms": ms, "p50 ms": ms, "p99 ms": ms, "mean/vllm": ratio, "p99/vllm": ratio}
+        tqdm.write(format_table(rows, formats=formats))
     if len(sizes) > 1:
         (r0, w0), (r1, w1) = sizes[0], sizes[-1]
         tqdm.write(f"\ngrowth of the mean from {r0}:{w0} to {r1}:{w1} (queue x{w1 / w0:.0f}, running x{r1 / r0:.1f})")
+        rows = []
         for policy in specs:
             growth = means[(policy, r1, w1)] / means[(policy, r0, w0)]
             verdict = "sub-linear" if growth < w1 / w0 else "NOT sub-linear"
-            tqdm.write(f"{policy:<26} x{growth:6.2f}  {verdict}")
+            rows.append({"policy": policy, "growth of the mean": growth, "verdict": verdict})
+        tqdm.write(format_table(rows, formats={"growth of the mean": "x{:.2f}"}))
 
 
 if __name__ == "__main__":
