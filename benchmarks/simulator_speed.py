@@ -31,7 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from sluice_bench.options import benchmark_parser
-from sluice_bench.report import write_json
+from sluice_bench.report import print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = [
@@ -133,13 +133,10 @@ def main() -> None:
         write_json({"|".join(map(str, k)): r for k, r in runs.items()}, args.json, indent=1, quiet=True)
     wall = {k: statistics.median(r[args.clock] for r in rs) for k, rs in runs.items()}
     print(f"{args.num_requests} sharegpt requests, {args.rounds} round(s), median {args.clock} s")
-    head = f"{'policy':<13} {'on s':>7} {'off s':>7} {'req/s':>7} {'APC cost':>9}"
-    if "base" in trees:
-        head += f" {'base on':>8} {'base off':>8} {'base APC':>9} {'speedup on':>11} {'speedup off':>12} {'same':>5}"
-    print(head)
+    rows = []
     for p in policies:
         on, off = wall[("this", p, True)], wall[("this", p, False)]
-        line = f"{p:<13} {on:7.2f} {off:7.2f} {args.num_requests / on:7.0f} {on / off - 1:+9.1%}"
+        row = {"policy": p, "on s": on, "off s": off, "req/s": args.num_requests / on, "APC cost": on / off - 1}
         if "base" in trees:
             b_on, b_off = wall[("base", p, True)], wall[("base", p, False)]
             same = all(
@@ -147,10 +144,12 @@ def main() -> None:
                 for c in (True, False)
                 for a, b in zip(runs[("this", p, c)], runs[("base", p, c)], strict=True)
             )
-            line += f" {b_on:8.2f} {b_off:8.2f} {b_on / b_off - 1:+9.1%}"
-            line += f" {b_on / on:10.2f}x {b_off / off:11.2f}x {'yes' if same else 'NO':>5}"
-        print(line)
-
+            row |= {"base on": b_on, "base off": b_off, "base APC": b_on / b_off - 1}
+            row |= {"speedup on": b_on / on, "speedup off": b_off / off, "same": "yes" if same else "NO"}
+        rows.append(row)
+    two, apc, speedup = "{:.2f}", "{:+.1%}", "{:.2f}x"
+    formats = {"on s": two, "off s": two, "req/s": "{:.0f}", "APC cost": apc, "base on": two, "base off": two}
+    print_table(rows, formats=formats | {"base APC": apc, "speedup on": speedup, "speedup off": speedup})
 
 if __name__ == "__main__":
     main()
