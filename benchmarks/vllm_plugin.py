@@ -38,7 +38,7 @@ from typing import Any
 
 from scheduler_service.core.slo import SLOSpec, judge_slo
 from sluice_bench.options import benchmark_parser
-from sluice_bench.report import write_json
+from sluice_bench.report import print_table, write_json
 from sluice_bench.vllm_plugin_harness import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,8 +112,8 @@ def cmd_overhead(args: argparse.Namespace) -> int:
                 own_ms[name].append(float(np.mean(own[name])) * 1e3)
                 own_median[name].append(float(np.median(own[name])) * 1e3)
                 own_p99[name].append(float(np.percentile(own[name], 99)) * 1e3)
-    print(f"{'scheduler':12} {'step ms':>9} {'vs vllm ms':>11} {'plug-in ms/step':>16} (range; median step; p99)")
     base = step_ms["vllm"]
+    rows = []
     for name in variants:
         diff = [a - b for a, b in zip(step_ms[name], base, strict=True)]
         mine, p99, mid = own_ms.get(name, [0.0]), own_p99.get(name, [0.0]), own_median.get(name, [0.0])
@@ -124,11 +124,21 @@ def cmd_overhead(args: argparse.Namespace) -> int:
             "plugin_ms_median_step": own_median.get(name),
             "plugin_ms_p99": own_p99.get(name),
         }
-        print(
-            f"{name:12} {statistics.median(step_ms[name]):9.3f} {statistics.median(diff):11.3f}"
-            f" {statistics.median(mine):16.3f} ({min(mine):.3f}..{max(mine):.3f}; {statistics.median(mid):.3f}; "
-            f"{max(p99):.2f})"
+        rows.append(
+            {
+                "scheduler": name,
+                "step ms": statistics.median(step_ms[name]),
+                "vs vllm ms": statistics.median(diff),
+                "plug-in ms/step": statistics.median(mine),
+                "range": f"{min(mine):.3f}..{max(mine):.3f}",
+                "median step": statistics.median(mid),
+                "p99": max(p99),
+            }
         )
+    ms = "{:.3f}"
+    print_table(
+        rows, formats={"step ms": ms, "vs vllm ms": ms, "plug-in ms/step": ms, "median step": ms, "p99": "{:.2f}"}
+    )
     if args.out:
         write_json(out, args.out, indent=1, quiet=True)
     return 0
@@ -382,19 +392,26 @@ def report(results: dict[str, Any]) -> None:
     tbt = [r["fcfs"]["tbt_p50_s"] / r["vllm"]["tbt_p50_s"] for r in runs]
     print(f"FCFS plug-in / vLLM's own: throughput {statistics.median(thr):.3f} ({min(thr):.3f}..{max(thr):.3f}), "
           f"TBT p50 {statistics.median(tbt):.3f} ({min(tbt):.3f}..{max(tbt):.3f})")  # fmt: skip
-    head = f"{'policy':34} {'rate':>5} {'tok/s':>7} {'TTFT p50/p99 s':>15} {'TBT p50/p99 ms':>15}"
-    head += f" {'norm s/tok':>10} {'goodput':>8} {'ok':>3}"
-    print(head)
+    rows = []
     for name, by_rate in results["policies"].items():
         for rate in results["rates"]:
             m = by_rate.get(str(rate))
             if m is None:
                 continue
-            print(
-                f"{name:34} {rate:5.1f} {m['throughput_tok_s']:7.0f} {m['ttft_p50_s']:6.2f}/{m['ttft_p99_s']:<8.2f}"
-                f" {m['tbt_p50_s'] * 1e3:6.1f}/{m['tbt_p99_s'] * 1e3:<8.1f} {m['mean_norm_latency_s']:10.4f}"
-                f" {m['goodput_req_s']:8.2f} {'y' if m['tokens_match'] and not m['failed'] else 'n':>3}"
+            rows.append(
+                {
+                    "policy": name,
+                    "rate": rate,
+                    "tok/s": m["throughput_tok_s"],
+                    "TTFT p50/p99 s": f"{m['ttft_p50_s']:.2f}/{m['ttft_p99_s']:.2f}",
+                    "TBT p50/p99 ms": f"{m['tbt_p50_s'] * 1e3:.1f}/{m['tbt_p99_s'] * 1e3:.1f}",
+                    "norm s/tok": m["mean_norm_latency_s"],
+                    "goodput": m["goodput_req_s"],
+                    "ok": "y" if m["tokens_match"] and not m["failed"] else "n",
+                }
             )
+    formats = {"rate": "{:.1f}", "tok/s": "{:.0f}", "norm s/tok": "{:.4f}", "goodput": "{:.2f}"}
+    print_table(rows, formats=formats, right=("TTFT p50/p99 s", "TBT p50/p99 ms"))
 
 
 def main() -> int:
