@@ -47,7 +47,7 @@ from scheduler_service.loadgen.requests import BenchRequest, RequestRecord, synt
 from sluice.common.client import SluiceClient
 from sluice_bench.live import WorkerProcess, spawn_service, spawn_worker
 from sluice_bench.options import benchmark_parser
-from sluice_bench.report import write_json
+from sluice_bench.report import format_table, write_json
 
 BACKENDS = ("grpc", "http")
 CPU_NAMES = ("client", "gateway", "scheduler", "worker")
@@ -308,27 +308,29 @@ def print_paired(result: dict[str, Any]) -> None:
             )
 
 
-def print_table(result: dict[str, Any]) -> None:
+def results_table(result: dict[str, Any]) -> str:
     """Throughput columns for saturation only: the paired and demo rounds share their wall time."""
-    print(
-        f"{'scenario':<11} {'TTFT p50 gRPC/HTTP ms':>22} {'HTTP-gRPC p50 ms (range)':>26} "
-        f"{'TTFT p99 gRPC/HTTP ms':>22} {'tok/s gRPC/HTTP':>16} {'HTTP/gRPC (range)':>20} {'gateway tok/CPU-s':>18}"
-    )
+    rows = []
     for scenario, s in result.items():
         added, ratio = s["added_ttft_p50_ms"], s["http_over_grpc_throughput"]
         per_core = s["gateway_tokens_per_cpu_s"]["median"]
-        rates = "-".center(16) + " " + "-".center(20)
-        if scenario == "saturation":
-            rates = (
-                f"{s['grpc_tokens_per_s']:>7.0f}/{s['http_tokens_per_s']:<8.0f} "
-                f"{ratio['median']:>6.3f} ({ratio['min']:.3f}..{ratio['max']:.3f})"
-            )
-        print(
-            f"{scenario:<11} {s['grpc_ttft_p50_ms']:>10.2f} / {s['http_ttft_p50_ms']:<9.2f} "
-            f"{added['median']:>+9.2f} ({added['min']:+.2f}..{added['max']:+.2f})  "
-            f"{s['grpc_ttft_p99_ms']:>10.2f} / {s['http_ttft_p99_ms']:<9.2f} {rates} "
-            f"{'-' if per_core is None else round(per_core):>12}"
+        saturation = scenario == "saturation"
+        rows.append(
+            {
+                "scenario": scenario,
+                "TTFT p50 gRPC/HTTP ms": f"{s['grpc_ttft_p50_ms']:.2f} / {s['http_ttft_p50_ms']:.2f}",
+                "HTTP-gRPC p50 ms (range)": f"{added['median']:+.2f} ({added['min']:+.2f}..{added['max']:+.2f})",
+                "TTFT p99 gRPC/HTTP ms": f"{s['grpc_ttft_p99_ms']:.2f} / {s['http_ttft_p99_ms']:.2f}",
+                "tok/s gRPC/HTTP": (
+                    f"{s['grpc_tokens_per_s']:.0f}/{s['http_tokens_per_s']:.0f}" if saturation else "-"
+                ),
+                "HTTP/gRPC (range)": (
+                    f"{ratio['median']:.3f} ({ratio['min']:.3f}..{ratio['max']:.3f})" if saturation else "-"
+                ),
+                "gateway tok/CPU-s": "-" if per_core is None else str(round(per_core)),
+            }
         )
+    return format_table(rows, right=[k for k in rows[0] if k != "scenario"] if rows else ())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.stop()
     result = summary(rows, args.scenarios)
     print(f"echo worker, `sluice scheduler`, `sluice gateway` processes; {os.cpu_count()} cores, {args.rounds} rounds")
-    print_table(result)
+    print(results_table(result))
     print_paired(result)
     print_cpu(result)
     print(f"the gateway's own work before calling the scheduler (mean of all requests): {prepare_ms:.3f} ms")
