@@ -34,7 +34,7 @@ from predictor_service.export import export_encoder
 from predictor_service.predictor import LengthPredictor
 from sluice.common.paths import data_file
 from sluice_bench.options import benchmark_parser
-from sluice_bench.report import write_json
+from sluice_bench.report import format_table, write_json
 
 SHAREGPT = "prompts/sharegpt_v3_conversations.jsonl.gz"
 
@@ -62,6 +62,17 @@ def interleaved(calls: dict[str, Callable[[str], Any]], prompts: list[str], roun
         }
         for name in calls
     }
+
+
+def latency_table(latency: dict[str, dict[str, float]]) -> str:
+    keys = {
+        "wall p50 ms": "wall_p50_ms",
+        "wall p99 ms": "wall_p99_ms",
+        "cpu p50 ms": "cpu_p50_ms",
+        "cpu p99 ms": "cpu_p99_ms",
+    }
+    rows = [{"path": name, **{col: r[key] for col, key in keys.items()}} for name, r in latency.items()]
+    return format_table(rows, formats=dict.fromkeys(keys, "{:.2f}"))
 
 
 def main() -> None:
@@ -101,11 +112,7 @@ def main() -> None:
                 calls[f"encoder {n} layers/{precision}"] = lambda text, e=enc: e.encode_ids(*e.tokenizer.batch([text]))
         result["latency"] = interleaved(calls, prompts, args.rounds)
     result["load_average_after"] = os.getloadavg()
-    for name, r in result["latency"].items():
-        print(
-            f"{name:>31}: wall p50 {r['wall_p50_ms']:.2f} ms p99 {r['wall_p99_ms']:.2f} ms | "
-            f"cpu p50 {r['cpu_p50_ms']:.2f} ms p99 {r['cpu_p99_ms']:.2f} ms"
-        )
+    print(latency_table(result["latency"]))
     print("load average", result["load_average_before"], result["load_average_after"])
     write_json(result, args.json, indent=2, quiet=True)
     print(f"wrote {args.json}")
