@@ -46,7 +46,7 @@ from scheduler_service.costmodel.factory import build_cost_model
 from scheduler_service.sim.disagg_search import DISTSERVE_ATTAINMENT, cheapest_split, fewest_workers, goodput
 from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig, SimRun, simulate
 from scheduler_service.workloads import Workload, apply_arrivals, load_trace
-from sluice_bench.options import Parallelism, add_parallel_options
+from sluice_bench.options import Parallelism, add_parallel_options, benchmark_parser
 from sluice_bench.report import format_table, write_json
 from sluice_bench.sweep import run_tasks
 
@@ -377,7 +377,7 @@ def _plot(data: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--traces", nargs="+", default=list(TRACES), choices=list(TRACES))
     parser.add_argument("--colocated", nargs="+", default=list(COLOCATED), help="colocated policies (vllm first)")
     parser.add_argument("--skip-sizing", action="store_true", help="no sizing phase (GPUs needed per rate)")

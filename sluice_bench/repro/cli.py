@@ -41,21 +41,20 @@ simulations in N local processes, `--ray ADDRESS` as Ray tasks; the results are 
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from services.predictor_lengths import is_online_source, is_predictor_source
-from sluice_bench.options import Parallelism, add_parallel_options
+from sluice_bench.options import Parallelism, add_parallel_options, benchmark_parser
 from sluice_bench.repro.claims import PAPERS, _econoserve_regroup, with_length_source
 from sluice_bench.repro.runs import Setup, run_claim, scls_cause
 from sluice_bench.repro.tables import claim_tables, plot
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = benchmark_parser(__doc__)
     parser.add_argument("paper", choices=sorted(PAPERS))
     parser.add_argument("--claim", help="run only this claim of the paper (e.g. alise's sharegpt)")
     parser.add_argument("--systems", help="comma-separated labels: run only these systems of the claim(s)")
