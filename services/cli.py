@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from sluice.common.config import add_config_arguments, config_from
@@ -36,6 +37,12 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--policy", action="append", help="policy[:key=value,...]; repeat to compare (default vllm)")
     add_config_arguments(s, CostModelConfig)
     add_config_arguments(s, SimConfig, exclude=("policy",))  # the repeatable --policy above
+    s.add_argument(
+        "--paper-setting",
+        action="store_true",
+        help="the papers' engine instead of a Sluice deployment's defaults: steps planned one after another, no "
+        "waiting bound, no offline queue, 16 GiB of host swap (PAPER_SETTING; a flag given explicitly wins)",
+    )
     s.add_argument("--no-progress", action="store_true")
 
 
@@ -62,9 +69,12 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
 
 
 def _sim_config(args: argparse.Namespace, policy: str, seed: int) -> Any:
-    from scheduler_service.sim.simulator import SimConfig
+    from scheduler_service.sim.simulator import PAPER_SETTING, SimConfig
 
-    return config_from(SimConfig, args, exclude=("policy",), policy=policy, seed=seed, progress=not args.no_progress)
+    config = config_from(SimConfig, args, exclude=("policy",), policy=policy, seed=seed, progress=not args.no_progress)
+    if getattr(args, "paper_setting", False):
+        config = replace(config, **{k: v for k, v in PAPER_SETTING.items() if getattr(args, k, None) is None})
+    return config
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
