@@ -995,7 +995,14 @@ def combine(paths: list[Path]) -> dict[str, Any]:
         if claim.rule is None:
             out.append(res)
             continue
-        claim = replace(claim, rates=tuple(res["setup"]["rates"]))
+        # the runs' own trace (`--trace` counts a trace in the predictor's tokens, as there)
+        trace = res["setup"]["trace"]
+        claim = replace(
+            claim,
+            rates=tuple(res["setup"]["rates"]),
+            trace=trace,
+            predictor_tokens=claim.predictor_tokens or trace != claim.trace,
+        )
         setup = Setup(res["setup"]["duration_s"], res["setup"]["warmup_share"], 200)
         out.append(combine_capacities(res, claim, idle_bound(claim, setup, res["setup"]["seeds"])))
     return {**merged, "claims": out}
