@@ -138,3 +138,15 @@ def test_runs_of_other_seeds_merge_and_capacity_reads_only_rates_every_seed_ran(
     longer["claims"][0]["setup"]["duration_s"] = 600.0
     with pytest.raises(ValueError):
         repro.merge_results([seed0, longer])
+
+
+def test_duration_overrides_the_claims_own_and_name_names_the_files(repro: ModuleType, tmp_path: Path) -> None:
+    # ALISE's ShareGPT claim runs 600 s of arrivals unless told otherwise
+    argv = ["alise", "--claim", "sharegpt", "--systems", "vllm", "--rates", "1", "--seeds", "1", "--refine", "0"]
+    argv += ["--duration", "30", "--min-requests", "10", "--name", "short", "--out", str(tmp_path)]
+    results = repro.main(argv)
+    (claim,) = results["claims"]
+    assert claim["setup"]["duration_s"] == 30.0
+    (row,) = claim["rows"]
+    assert row["num_requests"] == 30  # 1 req/s x 30 s, not 600
+    assert json.loads((tmp_path / "short.json").read_text())["claims"][0]["setup"]["duration_s"] == 30.0
