@@ -575,10 +575,36 @@ def _with_offline(wl: Workload, share: float, cm: CostModel, seed: int) -> Workl
     return wl.with_slos(slos, f"offline share {share:g}")
 
 
+# the predictor's own held-out split (ShareGPT first turns, with text): a trace on which the real
+# predictor, and the online one that learns from it, never saw a prompt in training
+HELD_OUT = "sharegpt-held-out"
+
+
 @functools.lru_cache(maxsize=4)
 def _whole_file(trace: str, predictor_tokens: bool) -> Workload:
+    if trace == HELD_OUT:
+        return _held_out()
     tokenizer = demo_tokenizer_path() if predictor_tokens else None
     return load_trace(trace, tokenizer_path=tokenizer)
+
+
+def _held_out() -> Workload:
+    """Every first turn of the predictor's ShareGPT test split, its prompt counted in the
+    predictor's tokens (the unit of its predictions) and its true answer length as the output."""
+    from predictor_service.data import load_samples
+    from predictor_service.evaluate import select
+    from scheduler_service.sim.workloads.tokens import make_token_counter
+    from sluice.common.paths import data_file
+
+    samples = select(load_samples(data_file("prompts/sharegpt_v3_conversations.jsonl.gz")), "test", True, None)
+    count = make_token_counter(demo_tokenizer_path())
+    reqs = [
+        TraceRequest(
+            f"h{i}", None, max(1, count(s.prompt)), max(1, s.output_tokens), prompt_text=s.prompt, source="sharegpt"
+        )
+        for i, s in enumerate(samples)
+    ]
+    return Workload(HELD_OUT, reqs, {"split": "the predictor's test split, ShareGPT first turns"})
 
 
 def sample_trace(trace: str, n: int, seed: int, predictor_tokens: bool = False) -> Workload:
@@ -880,6 +906,107 @@ def run_claim(claim: Claim, setup: Setup, seeds: list[int], refine: int, quick: 
     }
 
 
+# ---------------------------------------------------------------- several runs as one
+def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of one paper that differ in seeds, rates or systems (e.g. `--first-seed 1 --seeds 2`
+    beside an earlier seed-0 run) as one result: per claim, the rows of every run (one row per
+    system, rate and seed; a row given twice must be the same run), the systems in the order
+    first seen, the seeds and rates of all, the comparisons of the first run that has them.
+    Capacities are left empty: `combine_capacities` judges them on the merged rows."""
+    if not results:
+        raise ValueError("nothing to merge")
+    papers = {r["paper"] for r in results}
+    if len(papers) != 1:
+        raise ValueError(f"runs of one paper only, got {sorted(papers)}")
+    claims: dict[str, dict[str, Any]] = {}
+    for result in results:
+        for res in result["claims"]:
+            name = res["claim"]
+            if name not in claims:
+                claims[name] = {**res, "rows": [], "systems": [], "comparisons": [], "capacity": {}}
+            merged = claims[name]
+            if res["setup"]["duration_s"] != merged["setup"]["duration_s"]:
+                raise ValueError(f"{name}: runs of {res['setup']['duration_s']} and {merged['setup']['duration_s']} s")
+            known = {s["label"] for s in merged["systems"]}
+            merged["systems"] += [s for s in res["systems"] if s["label"] not in known]
+            if not merged["comparisons"]:
+                merged["comparisons"] = res["comparisons"]
+            seen = {(r["system"], r["rate"], r["seed"]): r for r in merged["rows"]}
+            for row in res["rows"]:
+                key = (row["system"], row["rate"], row["seed"])
+                if key in seen:
+                    if seen[key].get("normalized_latency_s") != row.get("normalized_latency_s"):
+                        raise ValueError(f"{name}: {key} differs between runs")
+                    continue
+                seen[key] = row
+                merged["rows"].append(row)
+    for merged in claims.values():
+        rows = merged["rows"]
+        merged["setup"] = {
+            **merged["setup"],
+            "seeds": sorted({r["seed"] for r in rows}),
+            "rates": sorted({r["rate"] for r in rows}),
+        }
+    commands = [r["command"] for r in results]
+    return {
+        "paper": papers.pop(),
+        "command": " && ".join(commands),
+        "merged_from": commands,
+        "claims": list(claims.values()),
+    }
+
+
+def complete_rates(res: dict[str, Any], label: str) -> list[float]:
+    """The rates at which `label` ran every seed of the merged result."""
+    seeds = set(res["setup"]["seeds"])
+    return [
+        rate
+        for rate in res["setup"]["rates"]
+        if {r["seed"] for r in res["rows"] if r["system"] == label and r["rate"] == rate} == seeds
+    ]
+
+
+def combine_capacities(res: dict[str, Any], claim: Claim, bound: float | None) -> dict[str, Any]:
+    """Each system's capacity by `claim`'s rule on the merged rows, over the rates at which it
+    ran every seed (no bisection: the grid the runs share); the rule's text beside it."""
+    assert claim.rule is not None
+    caps: dict[str, Any] = {}
+    for system in res["systems"]:
+        rates = complete_rates(res, system["label"])
+        if not rates:
+            continue
+        mine = [r for r in res["rows"] if r["system"] == system["label"] and r["rate"] in rates]
+        grid = replace(claim, rates=tuple(rates))
+        with tqdm(disable=True) as bar:  # no bisection: nothing runs, the arguments for runs are unused
+            caps[system["label"]] = capacity(grid, claim.systems[0], mine, bound, Setup(0.0, 0.0, 0), [], 0, bar)
+        caps[system["label"]]["rates"] = rates
+    return {**res, "capacity": caps, "rule": claim.rule.describe(bound), "bound": bound}
+
+
+def combine(paths: list[Path]) -> dict[str, Any]:
+    """`merge_results` over JSON files, then each claim's capacities on the merged rows, with
+    the rule's bound measured again at the lowest merged seed and rate (as a single run does)."""
+    merged = merge_results([json.loads(p.read_text()) for p in paths])
+    by_name = {c.name: c for c in PAPERS[merged["paper"]]()}
+    out = []
+    for res in merged["claims"]:
+        claim = by_name[res["claim"]]
+        if claim.rule is None:
+            out.append(res)
+            continue
+        # the runs' own trace (`--trace` counts a trace in the predictor's tokens, as there)
+        trace = res["setup"]["trace"]
+        claim = replace(
+            claim,
+            rates=tuple(res["setup"]["rates"]),
+            trace=trace,
+            predictor_tokens=claim.predictor_tokens or trace != claim.trace,
+        )
+        setup = Setup(res["setup"]["duration_s"], res["setup"]["warmup_share"], 200)
+        out.append(combine_capacities(res, claim, idle_bound(claim, setup, res["setup"]["seeds"])))
+    return {**merged, "claims": out}
+
+
 # ---------------------------------------------------------------- report
 def fmt(v: Any, digits: int = 3) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -1136,7 +1263,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed .. first-seed + seeds - 1")
     parser.add_argument("--rates", help="comma-separated arrival rates instead of each claim's own sweep")
-    parser.add_argument("--duration", type=float, default=300.0, help="simulated seconds of arrivals per run")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        help="simulated seconds of arrivals per run, over the claim's own (default: the claim's, else 300)",
+    )
     parser.add_argument("--warmup", type=float, default=0.2, help="share of the arrival span excluded as warm-up")
     parser.add_argument("--min-requests", type=int, default=200)
     parser.add_argument("--refine", type=int, default=1, help="bisection probes per capacity beyond the sweep")
@@ -1152,7 +1283,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="econoserve only: sweep the misprediction regroup_factor over these values (comma-separated), "
         "with the real predictor on ShareGPT prompts",
     )
+    parser.add_argument(
+        "--trace",
+        help=f"run the claim(s) on this trace instead (e.g. {HELD_OUT}: the predictor's held-out ShareGPT first "
+        "turns, with text, for predictor-online)",
+    )
+    parser.add_argument(
+        "--combine",
+        help="comma-separated JSON files of earlier runs of PAPER (other seeds, rates or systems): merge their rows, "
+        "judge capacities on the merged rows (rates every seed ran) and write <out>/<name>.json",
+    )
+    parser.add_argument("--name", help="base name of the files written (default: from the paper and the options)")
     args = parser.parse_args(argv)
+    if args.combine:
+        merged = combine([Path(p) for p in args.combine.split(",")])
+        if merged["paper"] != args.paper:
+            parser.error(f"--combine files are runs of {merged['paper']}, not {args.paper}")
+        seeds = sorted({s for c in merged["claims"] for s in c["setup"]["seeds"]})
+        name = args.name or f"{args.paper}_merged_seeds{seeds[0]}-{seeds[-1]}"
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for res in merged["claims"]:
+            plot(res, out / f"{name}_{res['claim']}.png")
+            print(claim_tables(res), flush=True)
+            print(flush=True)
+        (out / f"{name}.json").write_text(json.dumps(merged, indent=1, default=str))
+        return merged
     if args.cause:
         if args.paper != "scls":
             parser.error("--cause is measured for scls only")
@@ -1191,6 +1347,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"--rates must be comma-separated numbers, got {args.rates!r}")
         claims = [replace(c, rates=rates) for c in claims]
         name = f"{name}_{'-'.join(f'{r:g}' for r in rates)}"  # beside, not over, the full sweep's file
+    if args.trace:
+        # NOTE: a text trace is counted in the predictor's tokens, the unit its predictions are in
+        claims = [replace(c, trace=args.trace, predictor_tokens=True) for c in claims]
+        name = f"{name}_{args.trace}"
     if args.length_source:
         known = ("oracle", "noisy_oracle", "max_tokens")
         src = args.length_source
@@ -1200,13 +1360,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         claims = [with_length_source(c, args.length_source) for c in claims]
         name = f"{name}_{args.length_source.split(':')[0]}"
+    if args.duration is not None and not args.quick:
+        claims = [replace(c, duration_s=args.duration) for c in claims]
     if args.quick:
         setup, seeds = Setup(60.0, args.warmup, 30), [0]
     else:
-        setup = Setup(args.duration, args.warmup, args.min_requests)
+        setup = Setup(args.duration or 300.0, args.warmup, args.min_requests)
         seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     if args.first_seed and not args.quick:
         name = f"{name}_seeds{seeds[0]}-{seeds[-1]}"
+    name = args.name or name
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"paper": args.paper, "command": "python benchmarks/repro.py " + " ".join(argv or []), "claims": []}
