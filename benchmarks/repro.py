@@ -593,7 +593,7 @@ def _held_out() -> Workload:
     predictor's tokens (the unit of its predictions) and its true answer length as the output."""
     from predictor_service.data import load_samples
     from predictor_service.evaluate import select
-    from scheduler_service.sim.workloads.tokens import make_token_counter
+    from scheduler_service.workloads.tokens import make_token_counter
     from sluice.common.paths import data_file
 
     samples = select(load_samples(data_file("prompts/sharegpt_v3_conversations.jsonl.gz")), "test", True, None)
