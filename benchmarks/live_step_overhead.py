@@ -43,7 +43,13 @@ time on the worker counts from when it could start (received, and the step befor
 its collection, so "period - worker's step" is what passes between two steps beyond the worker.
 
     python benchmarks/live_step_overhead.py --modes-only [--mode-sizes 64,256] [--step-ms 20] [--rounds 3]
-        [--worker-pipelines on,off] [--zero-ms] [--model-worker]
+        [--worker-pipelines on,off] [--zero-ms] [--model-worker] [--policies vllm,fastserve,...]
+
+`--policies` runs the overlap comparison for each policy spec given (`name:key=value,...`; the
+vllm policy by default), interleaved; a policy that is not overlap-safe runs one step at a
+time with overlap on too, as the live loop drives it. The steady state measured is every
+request decoding, so a policy that batches rows needs room for all of them (e.g.
+`sls:batch_size=256`, `orca:max_batch_size=256`, `scls:batch_size=256`).
 """
 
 from __future__ import annotations
@@ -98,9 +104,9 @@ def make_scheduler(n: int) -> Scheduler:
     return make_cluster(n).schedulers[0]
 
 
-def make_cluster(n: int, overlap: bool = False, prompt_len: int = PROMPT_LEN) -> Cluster:
+def make_cluster(n: int, overlap: bool = False, prompt_len: int = PROMPT_LEN, policy: str = "vllm") -> Cluster:
     spec = ClusterSpec(
-        policy="vllm",
+        policy=policy,
         workers=(WorkerSpec(NUM_GPU_BLOCKS, 0, BLOCK_SIZE),),
         cost_model=build_cost_model("analytic", "llama-2-7b", "a100-80g"),
         max_model_len=MAX_MODEL_LEN,
@@ -271,7 +277,7 @@ class ModeResult:
 
 
 async def measure_mode(
-    address: str, n: int, steps: int, warmup: int, overlap: bool, prompt_len: int = PROMPT_LEN
+    address: str, n: int, steps: int, warmup: int, overlap: bool, prompt_len: int = PROMPT_LEN, policy: str = "vllm"
 ) -> tuple[float, float, float]:
     """Median step period (s) over `steps` steady decode steps, driven as the live loop drives
     them (with overlap, up to two plans on the stream: StepPipeline's turn; else one), the
@@ -279,11 +285,14 @@ async def measure_mode(
     mean period."""
     remote = RemoteWorker(0, address, step_timeout_s=60.0)
     await remote.connect(WarmupOptions(num_gpu_blocks=NUM_GPU_BLOCKS, swap_space_gib=0.0), 60.0)
-    cluster = make_cluster(n, overlap, prompt_len)
+    cluster = make_cluster(n, overlap, prompt_len, policy)
     sched = cluster.schedulers[0]
-    assert cluster.overlaps(0) == overlap
-    add_requests(sched, n, max_tokens=warmup + steps + 8, prompt_len=prompt_len)
-    depth = 2 if overlap else 1
+    assert cluster.overlaps(0) == overlap or policy != "vllm"
+    # NOTE: a policy with a prefill budget (chunks) prefills the last request up to n * prompt_len
+    # / budget steps after the first: the first must still be decoding then
+    slack = 0 if policy == "vllm" else n * prompt_len // 64
+    add_requests(sched, n, max_tokens=warmup + steps + 8 + slack, prompt_len=prompt_len)
+    depth = 2 if cluster.overlaps(0) else 1  # a policy that is not overlap-safe: one at a time
     sent: list[bool] = []  # per plan on the stream: a steady decode step
     periods: list[float] = []
     gaps: list[float] = []
@@ -299,6 +308,8 @@ async def measure_mode(
                     sent.append(decode and not plan.new_requests)
                     if len(sent) < depth:
                         continue  # the worker was idle: plan ahead before waiting
+            if not sent:
+                raise RuntimeError(f"{policy}: the requests ended before {steps} steady decode steps of all {n}")
             result = await remote.receive()
             assert result.error is None, result.error
             cluster.complete_step(0, result, time.monotonic())
@@ -338,7 +349,8 @@ async def modes_async(args: argparse.Namespace) -> list[ModeResult]:
         for pipeline in pipelines:
             flags = ("--worker-pipeline", pipeline)
             workers.append((f"tiny-llama CPU, worker pipeline {pipeline}", "torch", 0.0, [args.model_seqs], 16, flags))
-    jobs = [(w, n, o) for w in workers for n in w[3] for o in (False, True)]
+    specs = [p.strip() for p in args.policies.split(";" if ";" in args.policies else ",") if p.strip()]
+    jobs = [(w, n, o, p) for w in workers for n in w[3] for p in specs for o in (False, True)]
     periods: dict[tuple[str, int, bool], list[tuple[float, float, float]]] = {}
     # NOTE: every worker runs from the start and the rounds go over all of them in turn
     # (interleaved): this machine's speed drifts from minute to minute.
@@ -346,18 +358,19 @@ async def modes_async(args: argparse.Namespace) -> list[ModeResult]:
     try:
         with tqdm(total=args.rounds * len(jobs), desc="overlap on/off", unit="run", leave=False) as bar:
             for _ in range(args.rounds):
-                for (label, engine, _, _, prompt_len, _), n, overlap in jobs:
+                for (label, engine, _, _, prompt_len, _), n, overlap, policy in jobs:
                     steps = args.steps if engine == "echo" else max(20, args.steps // 4)
                     address = spawned[label].address
-                    measured = await measure_mode(address, n, steps, args.warmup, overlap, prompt_len)
-                    periods.setdefault((label, n, overlap), []).append(measured)
+                    measured = await measure_mode(address, n, steps, args.warmup, overlap, prompt_len, policy)
+                    row = label if specs == ["vllm"] else f"{label}, {policy}"
+                    periods.setdefault((row, n, overlap), []).append(measured)
                     bar.update()
     finally:
         for worker in spawned.values():
             worker.stop()
     out = []
     for (label, n, overlap), values in periods.items():
-        device = next(w[2] for w in workers if w[0] == label)
+        device = next(w[2] for w in workers if label.startswith(w[0]))
         period = statistics.median(v[0] for v in values) * 1e3
         gap = statistics.median(v[1] for v in values) * 1e3
         mean = statistics.median(v[2] for v in values) * 1e3
@@ -420,6 +433,11 @@ def main() -> int:
         "--worker-pipelines", default="on,off", help="the echo workers' --worker-pipeline settings, side by side"
     )
     p.add_argument("--zero-ms", action="store_true", help="--modes also against echo workers with no device time")
+    p.add_argument(
+        "--policies",
+        default="vllm",
+        help="policy specs for --modes, measured in turn (separated by ';' where one has options, else ',')",
+    )
     args = p.parse_args()
     if args.modes or args.modes_only:
         modes = asyncio.run(modes_async(args))

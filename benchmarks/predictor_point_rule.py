@@ -1,6 +1,7 @@
 """The predictor's point rule (`median` or `mode_bin`), judged by what schedulers get from it.
 
-    python benchmarks/predictor_point_rule.py [--n 600] [--rates 2,3] [--seed 0]
+    python benchmarks/predictor_point_rule.py [--n 600] [--rates 2,3] [--seed 0] [--seeds 1]
+                                              [--systems alise,econoserve]
                                               [--out docs/results/data/predictor_point_rule.json]
 
 Held-out ShareGPT first turns (the predictor's own test split, `--n` of them drawn with
@@ -12,7 +13,11 @@ predicts every prompt, and:
    in the predictor's tokenizer, Poisson arrivals at each of `--rates`), served on OPT-13B / one
    A100 / 12 GB of KV by ALISE (hybrid batching, resident int8 KV) and by EconoServe (the
    admission reading of benchmarks/repro.py), each with that rule's predictions and, for
-   reference, with the true lengths: mean normalized latency (s/token) over the whole run.
+   reference, with the true lengths: mean normalized latency (s/token) over the whole run, and
+   the evictions that show whether the ranking acted (ALISE's `ewt_swap_outs`, its proactive
+   swap-outs by expected wait, and `forced_swap_outs`; the preemptions of every system).
+`--seeds N` repeats all of it for seeds seed .. seed + N - 1 (each draws its own prompts and
+arrivals); the statistics are per seed.
 The default point rule should be the one that gives the schedulers the lower latency; bucket
 accuracy alone chose `mode_bin`.
 """
@@ -72,6 +77,10 @@ def trace_of(texts: list[str], true: np.ndarray, rate: float, seed: int) -> Work
     return apply_arrivals(Workload("sharegpt-held-out", reqs), "poisson", rate=rate, seed=seed)
 
 
+# ALISE's eviction counters (details.policy_stats): whether its ranking by predicted length acted
+EVICTIONS = ("ewt_swap_outs", "forced_swap_outs", "priority_pauses")
+
+
 def schedule(wl: Workload, table: dict[str, int] | None, system: str) -> dict[str, Any]:
     policy, extra, kv_gb = SYSTEMS[system]
     cm = build_cost_model("analytic", "opt-13b", "a100-80g")
@@ -80,10 +89,16 @@ def schedule(wl: Workload, table: dict[str, int] | None, system: str) -> dict[st
     )
     run = Simulation(cfg, wl, cm, TableLengths(table) if table is not None else None).run()
     m = run.metrics
+    # ALISE's counters only; one the policy never moved is absent from its report: 0
+    stats: dict[str, float] = dict.fromkeys(EVICTIONS, 0) if system == "alise" else {}
+    for report in run.details["policy_stats"].values():
+        for key in stats:
+            stats[key] += report.get(key, 0)
     return {
         "normalized_latency_s": m["normalized_latency_s"],
         "jct_mean_s": m["jct_s"]["mean"],
         "preemptions": m["preemptions"],
+        **stats,
     }
 
 
@@ -92,33 +107,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--n", type=int, default=600)
     parser.add_argument("--rates", default="2,3")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1, help="seeds seed .. seed + seeds - 1")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: alise, econoserve")
     parser.add_argument("--out", default="docs/results/data/predictor_point_rule.json")
     add_parallel_options(parser)
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
-    samples = select(load_samples(data_file(SHAREGPT)), "test", True, args.n, args.seed)
-    texts, models = [s.prompt for s in samples], [s.model for s in samples]
-    true = np.array([s.output_tokens for s in samples])
+    systems = args.systems.split(",")
+    if not set(systems) <= set(SYSTEMS):
+        parser.error(f"--systems must name {', '.join(SYSTEMS)}, got {args.systems!r}")
+    everything = load_samples(data_file(SHAREGPT))
     predictor = LengthPredictor()
-    preds = predictions_by_rule(predictor, texts, models)
-    stats = {rule: point_metrics(true, p) for rule, p in preds.items()}
-    jobs = [(rate, system, rule) for rate in rates for system in SYSTEMS for rule in (*RULES, "true lengths")]
-    calls = []
-    for rate, system, rule in jobs:
-        wl = trace_of(texts, true, rate, args.seed)
-        ids = [r.request_id for r in wl.requests]
-        table = None if rule == "true lengths" else {rid: int(p) for rid, p in zip(ids, preds[rule], strict=True)}
-        calls.append((wl, table, system))
+    stats: dict[int, dict[str, Any]] = {}
+    calls, labels = [], []
+    # the predictor runs here, seed by seed; the simulations side by side after
+    for seed in range(args.seed, args.seed + args.seeds):
+        samples = select(everything, "test", True, args.n, seed)
+        texts, models = [s.prompt for s in samples], [s.model for s in samples]
+        true = np.array([s.output_tokens for s in samples])
+        preds = predictions_by_rule(predictor, texts, models)
+        stats[seed] = {rule: point_metrics(true, p) for rule, p in preds.items()}
+        for rate, system, rule in [(r, sy, ru) for r in rates for sy in systems for ru in (*RULES, "true lengths")]:
+            wl = trace_of(texts, true, rate, seed)
+            ids = [r.request_id for r in wl.requests]
+            table = None if rule == "true lengths" else {rid: int(p) for rid, p in zip(ids, preds[rule], strict=True)}
+            calls.append((wl, table, system))
+            labels.append({"rate": rate, "seed": seed, "system": system, "lengths": rule})
     found = run_tasks(schedule, calls, Parallelism.from_args(args), desc="schedule")
-    outcome = [
-        {"rate": rate, "system": system, "lengths": rule, **m}
-        for (rate, system, rule), m in zip(jobs, found, strict=True)
-    ]
-    result = {"n": len(samples), "predictor_version": predictor.version, "statistics": stats, "scheduling": outcome}
+    outcome = [{**label, **m} for label, m in zip(labels, found, strict=True)]
+    result = {
+        "n": len(samples),
+        "predictor_version": predictor.version,
+        "command": "python benchmarks/predictor_point_rule.py " + " ".join(argv if argv is not None else []),
+        "statistics": stats[args.seed] if args.seeds == 1 else stats,
+        "scheduling": outcome,
+    }
     print(json.dumps(result, indent=1))
     write_json(result, args.out, indent=1)
     return result
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

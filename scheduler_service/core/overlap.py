@@ -20,9 +20,10 @@ What step N could change is not guessed: a request that stops at N is still runn
 N+1 is planned (its extra step is wasted, never wrong), and blocks it frees are reused from
 N+2 on. A recompute preemption or an end drops a request's placeholders and voids its steps
 in flight (`Scheduler._void`); a failed step resets the worker, which voids every step in
-flight. Policies that keep state between `schedule` and `on_step_result` (a batch they
-re-file when its result comes) declare `overlap_safe = False` and are driven one step at a
-time.
+flight. A policy's bookkeeping on counts runs in `Policy.on_step_committed`, called here
+when the plan is made (one step at a time: with the answer), so the next plan sees it as it
+would one step later; what only an answer brings (finishes, step times) reaches the plan after
+next. A policy not `overlap_safe` is driven one step at a time.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class InFlight:
     voided: set[str] = field(default_factory=set)
 
 
-def commit_plan(sched: OverlapHost, plan: StepPlan) -> None:
+def commit_plan(sched: OverlapHost, plan: StepPlan, now: float) -> None:
     """The plan's step counts as done for the next plan: tokens computed, placeholders for
     the tokens it samples (resolved by `resolve_step`)."""
     running, pending, metrics = sched.running, sched.pending_tokens, sched.metrics
@@ -83,6 +84,7 @@ def commit_plan(sched: OverlapHost, plan: StepPlan) -> None:
         if rid in sample_ids:
             req.num_output_tokens += 1
             pending[rid] = pending.get(rid, 0) + 1
+    sched.policy.on_step_committed(plan, now)
 
 
 def resolve_step(sched: OverlapHost, entry: InFlight, result: StepResult, now: float) -> StepOutputs | None:

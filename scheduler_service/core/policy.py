@@ -70,8 +70,9 @@ class Policy(ABC):
 
     name: ClassVar[str] = "abstract"
     config_cls: ClassVar[type[PolicyConfig]] = PolicyConfig
-    # The policy keeps no state between `schedule` and `on_step_result`, so a plan may be made
-    # while the previous one is in flight (overlapped scheduling, core/overlap.py).
+    # A plan may be made while the previous one is in flight (overlapped scheduling,
+    # core/overlap.py): the policy's decisions need nothing of a step's answer that one step of
+    # lag changes beyond what the placeholder tokens allow (docs/ARCHITECTURE.md, the audit).
     overlap_safe: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, ctx: PolicyContext) -> None:
@@ -106,8 +107,17 @@ class Policy(ABC):
     def on_finished(self, request: Request, now: float) -> None:
         """A request finished, was aborted or timed out: drop any index entries."""
 
+    def on_step_committed(self, plan: StepPlan, now: float) -> None:
+        """The plan's step counts as done: its requests' computed and output token counts
+        (and prefill-done status) include it. One step at a time this comes with the answer,
+        just before `on_step_result` (the requests that ended at it are gone already); with
+        overlap it comes when the plan is made, so bookkeeping on counts done here is seen by
+        the very next plan, as it is without overlap (the requests that end at this step
+        are still there: they end when its answer comes)."""
+
     def on_step_result(self, plan: StepPlan, result: StepResult, now: float) -> None:
-        """A step completed and request states are updated."""
+        """A step completed and request states are updated (with overlap: the answer to a plan
+        made one step ago; counts are committed through the plan made since)."""
 
     def next_wakeup(self, now: float) -> float | None:
         """A time at which the policy wants `schedule` called even if nothing else happens

@@ -72,7 +72,7 @@ class Scheduler:
         self.plans = PlanWriter(worker_id)  # what the worker has been told
         self._expiry: list[tuple[float, str]] = []
         self._inflight: deque[InFlight] = deque()  # plans sent and not answered, oldest first
-        # NOTE: only for policies that keep no state between schedule and on_step_result.
+        # NOTE: only for policies whose decisions a one-step lag leaves as the placeholders allow.
         self.overlap = self.config.overlap and getattr(policy, "overlap_safe", False)
         self.pending_tokens: dict[str, int] = {}  # overlap: request id -> placeholders not resolved yet
         # Prefix caching registers a request's shareable blocks as they fill and its salted ones
@@ -150,7 +150,7 @@ class Scheduler:
             self._inflight.clear()
         self._inflight.append(InFlight(plan))
         if self.overlap:
-            commit_plan(self, plan)
+            commit_plan(self, plan, now)
         return plan
 
     def on_step_result(self, result: StepResult, now: float) -> StepOutputs:
@@ -213,6 +213,7 @@ class Scheduler:
             if self.kept:
                 used += sum(r.num_computed_tokens for r in self.kept.values())
             self.metrics.on_step(self.worker_id, plan, result, now, self.kv, used)
+        self.policy.on_step_committed(plan, now)
         self.policy.on_step_result(plan, result, now)
         return StepOutputs(tokens, self.pop_finished())
 

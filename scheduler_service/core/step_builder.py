@@ -72,6 +72,8 @@ class SchedulerState(Protocol):
 
     def end(self, req: Request, status: RequestStatus, now: float, message: str = "") -> None: ...
 
+    def tokens_in_flight(self, request_id: str) -> int: ...
+
 
 class StepBuilder:
     def __init__(self, scheduler: SchedulerState, budget: TokenBudget, now: float) -> None:
@@ -112,6 +114,11 @@ class StepBuilder:
 
     def is_scheduled(self, request: Request) -> bool:
         return request.request_id in self.scheduled
+
+    def in_flight(self, request: Request) -> bool:
+        """Overlap: a step planned ahead computes the request and its answer has not come
+        (what that step samples is not known yet); always False one step at a time."""
+        return self._sched.tokens_in_flight(request.request_id) > 0
 
     def kv_known_to_worker(self, request: Request) -> bool:
         """The worker holds the request (its KV was computed there): a swap would copy it."""

@@ -207,6 +207,23 @@ class QueuePolicy(Policy):
         st.weight = self.weight(req)
         self.queues.push(req)
 
+    def unfile(self, req: Request) -> bool:
+        """Before an answer moves a job's level: with overlap the job may have left the batch
+        since the step it answers (paused, or recomputed into a level's heap, whose counts go
+        by its level): True when it was taken out of its heap (`refile` puts it back)."""
+        waiting = req.policy_state.in_heap
+        if waiting:
+            self.queues.discard(req)
+        return waiting
+
+    def refile(self, req: Request, waiting: bool) -> None:
+        """After the move: a waiting job goes back in its new level's heap, a paused one is
+        re-ranked in the paused index; a running job is ranked by the next step, as always."""
+        if waiting:
+            self.requeue(req)
+        elif not req.status.is_running:
+            self.rerank_paused(req)
+
     def weight(self, req: Request) -> float:
         """What a waiting job adds to its level's sum (ALISE: its remaining time)."""
         return 0.0
@@ -459,7 +476,19 @@ class QueuePolicy(Policy):
             if swap_only and self.memory is MemoryMode.SWAP and not self.can_swap_out(step, victim):
                 victims.append(victim)
                 return False
-            step.preempt(victim, self.evict_mode(), PreemptionReason.KV_PRESSURE)
+            mode = self.evict_mode()
+            if step.in_flight(victim) and (mode is PreemptionMode.RECOMPUTE or not self.can_swap_out(step, victim)):
+                # NOTE: overlap: a step planned ahead still computes the victim, and recomputed
+                # now it would lose that step's token (the lowest-ranked job is often the one
+                # admitted last, which then never progressed: a livelock). It is paused (KV
+                # kept) and evicted by the next plan, once that token is in; the job that
+                # needed room waits one step, as one step at a time it would have found the
+                # victim with its token.
+                if victim.status is not RequestStatus.PREEMPTED_KEPT:
+                    step.preempt(victim, PreemptionMode.KEEP, PreemptionReason.KV_PRESSURE)
+                self.stats["evictions_after_answer"] += 1
+                return False
+            step.preempt(victim, mode, PreemptionReason.KV_PRESSURE)
             # a forced eviction (KV pressure), by what actually happened to the victim's KV
             swapped = victim.status is RequestStatus.PREEMPTED_SWAPPED
             self.stats["forced_swap_outs" if swapped else "forced_recomputes"] += 1

@@ -12,7 +12,9 @@ from sluice_bench.repro.claims import (
     with_length_source,
 )
 from sluice_bench.repro.cli import main
+from sluice_bench.repro.combine import combine, combine_capacities, complete_rates, merge_results
 from sluice_bench.repro.runs import (
+    HELD_OUT,
     Setup,
     capacity,
     idle_bound,
@@ -28,6 +30,7 @@ from sluice_bench.repro.tables import claim_tables, plot
 
 __all__ = [
     "EQUAL_ENGINE",
+    "HELD_OUT",
     "PAPERS",
     "PUBLISHED",
     "Claim",
@@ -37,8 +40,12 @@ __all__ = [
     "System",
     "capacity",
     "claim_tables",
+    "combine",
+    "combine_capacities",
+    "complete_rates",
     "idle_bound",
     "main",
+    "merge_results",
     "plot",
     "run_claim",
     "run_one",

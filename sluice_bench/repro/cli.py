@@ -49,7 +49,8 @@ from typing import Any
 from services.predictor_lengths import is_online_source, is_predictor_source
 from sluice_bench.options import Parallelism, add_parallel_options, benchmark_parser
 from sluice_bench.repro.claims import PAPERS, _econoserve_regroup, with_length_source
-from sluice_bench.repro.runs import Setup, run_claim, scls_cause
+from sluice_bench.repro.combine import combine
+from sluice_bench.repro.runs import HELD_OUT, Setup, run_claim, scls_cause
 from sluice_bench.repro.tables import claim_tables, plot
 
 
@@ -61,7 +62,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed .. first-seed + seeds - 1")
     parser.add_argument("--rates", help="comma-separated arrival rates instead of each claim's own sweep")
-    parser.add_argument("--duration", type=float, default=300.0, help="simulated seconds of arrivals per run")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        help="simulated seconds of arrivals per run, over the claim's own (default: the claim's, else 300)",
+    )
     parser.add_argument("--warmup", type=float, default=0.2, help="share of the arrival span excluded as warm-up")
     parser.add_argument("--min-requests", type=int, default=200)
     parser.add_argument("--refine", type=int, default=1, help="bisection probes per capacity beyond the sweep")
@@ -77,9 +82,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="econoserve only: sweep the misprediction regroup_factor over these values (comma-separated), "
         "with the real predictor on ShareGPT prompts",
     )
+    parser.add_argument(
+        "--trace",
+        help=f"run the claim(s) on this trace instead (e.g. {HELD_OUT}: the predictor's held-out ShareGPT first "
+        "turns, with text, for predictor-online)",
+    )
+    parser.add_argument(
+        "--combine",
+        help="comma-separated JSON files of earlier runs of PAPER (other seeds, rates or systems): merge their rows, "
+        "judge capacities on the merged rows (rates every seed ran) and write <out>/<name>.json",
+    )
+    parser.add_argument("--name", help="base name of the files written (default: from the paper and the options)")
     add_parallel_options(parser)
     args = parser.parse_args(argv)
     parallelism = Parallelism.from_args(args)
+    if args.combine:
+        merged = combine([Path(p) for p in args.combine.split(",")])
+        if merged["paper"] != args.paper:
+            parser.error(f"--combine files are runs of {merged['paper']}, not {args.paper}")
+        seeds = sorted({s for c in merged["claims"] for s in c["setup"]["seeds"]})
+        name = args.name or f"{args.paper}_merged_seeds{seeds[0]}-{seeds[-1]}"
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for res in merged["claims"]:
+            plot(res, out / f"{name}_{res['claim']}.png")
+            print(claim_tables(res), flush=True)
+            print(flush=True)
+        (out / f"{name}.json").write_text(json.dumps(merged, indent=1, default=str))
+        return merged
     if args.cause:
         if args.paper != "scls":
             parser.error("--cause is measured for scls only")
@@ -118,6 +148,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"--rates must be comma-separated numbers, got {args.rates!r}")
         claims = [replace(c, rates=rates) for c in claims]
         name = f"{name}_{'-'.join(f'{r:g}' for r in rates)}"  # beside, not over, the full sweep's file
+    if args.trace:
+        # NOTE: a text trace is counted in the predictor's tokens, the unit its predictions are in
+        claims = [replace(c, trace=args.trace, predictor_tokens=True) for c in claims]
+        name = f"{name}_{args.trace}"
     if args.length_source:
         known = ("oracle", "noisy_oracle", "max_tokens")
         src = args.length_source
@@ -127,13 +161,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         claims = [with_length_source(c, args.length_source) for c in claims]
         name = f"{name}_{args.length_source.split(':')[0]}"
+    if args.duration is not None and not args.quick:
+        claims = [replace(c, duration_s=args.duration) for c in claims]
     if args.quick:
         setup, seeds = Setup(60.0, args.warmup, 30), [0]
     else:
-        setup = Setup(args.duration, args.warmup, args.min_requests)
+        setup = Setup(args.duration or 300.0, args.warmup, args.min_requests)
         seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     if args.first_seed and not args.quick:
         name = f"{name}_seeds{seeds[0]}-{seeds[-1]}"
+    name = args.name or name
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"paper": args.paper, "command": "python benchmarks/repro.py " + " ".join(argv or []), "claims": []}

@@ -84,10 +84,36 @@ def _with_offline(wl: Workload, share: float, cm: CostModel, seed: int) -> Workl
     return wl.with_slos(slos, f"offline share {share:g}")
 
 
+# the predictor's own held-out split (ShareGPT first turns, with text): a trace on which the real
+# predictor, and the online one that learns from it, never saw a prompt in training
+HELD_OUT = "sharegpt-held-out"
+
+
 @functools.lru_cache(maxsize=4)
 def _whole_file(trace: str, predictor_tokens: bool) -> Workload:
+    if trace == HELD_OUT:
+        return _held_out()
     tokenizer = demo_tokenizer_path() if predictor_tokens else None
     return load_trace(trace, tokenizer_path=tokenizer)
+
+
+def _held_out() -> Workload:
+    """Every first turn of the predictor's ShareGPT test split, its prompt counted in the
+    predictor's tokens (the unit of its predictions) and its true answer length as the output."""
+    from predictor_service.data import load_samples
+    from predictor_service.evaluate import select
+    from scheduler_service.workloads.tokens import make_token_counter
+    from sluice.common.paths import data_file
+
+    samples = select(load_samples(data_file("prompts/sharegpt_v3_conversations.jsonl.gz")), "test", True, None)
+    count = make_token_counter(demo_tokenizer_path())
+    reqs = [
+        TraceRequest(
+            f"h{i}", None, max(1, count(s.prompt)), max(1, s.output_tokens), prompt_text=s.prompt, source="sharegpt"
+        )
+        for i, s in enumerate(samples)
+    ]
+    return Workload(HELD_OUT, reqs, {"split": "the predictor's test split, ShareGPT first turns"})
 
 
 def sample_trace(trace: str, n: int, seed: int, predictor_tokens: bool = False) -> Workload:

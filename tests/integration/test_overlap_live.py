@@ -119,3 +119,28 @@ async def test_overlap_gives_the_tokens_of_no_overlap_with_stops_cancels_and_pre
     for i in stops:
         assert base[i][2] == common_pb2.FINISH_REASON_STOP
         assert stops[i] not in base[i][1]
+
+
+@pytest.mark.parametrize("policy", ["fastserve", "alise", "econoserve", "accelgen", "scls:batch_size=8,slice_len=6"])
+async def test_every_policy_overlaps_live_with_the_tokens_of_no_overlap(
+    policy: str, worker: Worker, prompts: list[str], tokenizer: Tokenizer, reference: LLMEngine
+) -> None:
+    """The policies whose bookkeeping waits for a step's answer (core/overlap.py and the audit
+    in docs/ARCHITECTURE.md) stream the tokens, text and finish reasons of `--no-overlap` live,
+    with stop strings and cancellations in the mix (SCLS with slices short enough to end)."""
+    chosen = prompts[:NUM]
+    stops = stop_strings(chosen, tokenizer, reference)
+    runs = {}
+    for overlap in (False, True):
+        async with scheduler([worker.address], policy=policy, overlap=overlap, max_waiting=64) as client:
+            runs[overlap] = await run_mix(client, chosen, stops)
+            await client.wait_until_idle()
+            assert (client.server.live.loops[0].pipeline.num_ahead > 0) == overlap
+        await asyncio.sleep(0.1)
+        assert await worker.held_requests() == 0, "the worker was told to release every request"
+    base, over = runs[False], runs[True]
+    for i in range(NUM):
+        if i in CANCEL_AFTER:
+            assert over[i][0] == base[i][0][: len(over[i][0])]
+            continue
+        assert over[i] == base[i], f"request {i} differs with overlap"

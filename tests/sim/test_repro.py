@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 from tqdm import tqdm
 
 
@@ -98,3 +99,55 @@ def test_find_capacity_stops_at_its_floor() -> None:
     result = find_capacity(run_at, SLORule("norm_latency", 0.5), None, start_rate=1.0, floor=0.2)
     assert result.below_floor and result.capacity_req_s == 0.0
     assert min(probed) >= 0.2 and len(probed) == 3  # 1, 0.5, 0.25; never below the floor
+
+
+def _run(seeds: list[int], rates: list[float], latency: dict[tuple[str, float, int], float]) -> dict:
+    """A saved repro.py result of the econoserve claim with the given rows (normalized latency only)."""
+    rows = [
+        {"system": s, "rate": r, "seed": k, "num_finished": 10, "normalized_latency_s": v, "tbt_p99_s": 0}
+        | {"queue_p50_s": 0}
+        for (s, r, k), v in latency.items()
+    ]
+    systems = [{"label": s} for s in dict.fromkeys(s for s, _, _ in latency)]
+    setup = {"duration_s": 300.0, "warmup_share": 0.2, "seeds": seeds, "rates": rates}
+    claim = {"claim": "capacity", "setup": setup, "systems": systems, "comparisons": [], "rows": rows}
+    return {"paper": "econoserve", "command": f"run {seeds}", "claims": [claim]}
+
+
+def test_runs_of_other_seeds_merge_and_capacity_reads_only_rates_every_seed_ran(repro: ModuleType) -> None:
+    seed0 = _run([0], [1.0, 2.0, 3.0], {("vllm", 1.0, 0): 0.01, ("vllm", 2.0, 0): 0.02, ("vllm", 3.0, 0): 0.03})
+    seed0["claims"][0]["comparisons"] = [{"kind": "published", "system": "vllm", "baseline": "vllm", "note": ""}]
+    # seeds 1-2 at 1 and 2 req/s only; seed 1 breaks the bound at 2 req/s, so the mean does too
+    later = _run(
+        [1, 2], [1.0, 2.0], {("vllm", r, k): (0.9 if (r, k) == (2.0, 1) else 0.01) for r in (1.0, 2.0) for k in (1, 2)}
+    )
+    merged = repro.merge_results([seed0, later])
+    (res,) = merged["claims"]
+    assert res["setup"]["seeds"] == [0, 1, 2] and res["setup"]["rates"] == [1.0, 2.0, 3.0]
+    assert len(res["rows"]) == 7 and res["comparisons"]  # the comparisons of the run that had them
+    assert repro.complete_rates(res, "vllm") == [1.0, 2.0]  # 3 req/s ran on seed 0 alone
+    claim = repro.PAPERS["econoserve"]()[0]
+    caps = repro.combine_capacities(res, claim, 0.2)["capacity"]
+    # seed 0 alone held at 3 req/s; over the three seeds 2 req/s fails (mean 0.31) and 3 is not judged
+    assert caps["vllm"]["capacity"] == 1.0 and caps["vllm"]["rates"] == [1.0, 2.0]
+    # the same row twice is one row; a row that differs between runs is refused
+    assert len(repro.merge_results([seed0, seed0])["claims"][0]["rows"]) == 3
+    other = _run([0], [1.0], {("vllm", 1.0, 0): 0.011})
+    with pytest.raises(ValueError, match="differs"):
+        repro.merge_results([seed0, other])
+    longer = _run([1], [1.0], {("vllm", 1.0, 1): 0.01})
+    longer["claims"][0]["setup"]["duration_s"] = 600.0
+    with pytest.raises(ValueError):
+        repro.merge_results([seed0, longer])
+
+
+def test_duration_overrides_the_claims_own_and_name_names_the_files(repro: ModuleType, tmp_path: Path) -> None:
+    # ALISE's ShareGPT claim runs 600 s of arrivals unless told otherwise
+    argv = ["alise", "--claim", "sharegpt", "--systems", "vllm", "--rates", "1", "--seeds", "1", "--refine", "0"]
+    argv += ["--duration", "30", "--min-requests", "10", "--name", "short", "--out", str(tmp_path)]
+    results = repro.main(argv)
+    (claim,) = results["claims"]
+    assert claim["setup"]["duration_s"] == 30.0
+    (row,) = claim["rows"]
+    assert row["num_requests"] == 30  # 1 req/s x 30 s, not 600
+    assert json.loads((tmp_path / "short.json").read_text())["claims"][0]["setup"]["duration_s"] == 30.0

@@ -136,6 +136,9 @@ READING_SPEED_TBT_S = 0.1875  # normal reading speed (section 4.3)
 class AccelGenPolicy(Policy):
     name = "accelgen"
     config_cls = AccelGenConfig
+    # NOTE: planned ahead, a batch returns to the queue at the next plan instead of with its
+    # answer (`schedule`), and its step's time reaches T_max one plan later.
+    overlap_safe = True
     config: AccelGenConfig
 
     def __init__(self, config: AccelGenConfig, ctx: PolicyContext) -> None:
@@ -147,8 +150,10 @@ class AccelGenPolicy(Policy):
         )
         self.index = DeadlineIndex()
         self.long_active: set[str] = set()
-        self._batch: list[Request] = []
-        self._chunks: list[int] = []
+        self._batch: list[Request] = []  # the batch being planned
+        self._chunks: list[int] = []  # its prefill chunks (T_max's average chunk)
+        # step id -> (batch, chunks) of a committed step whose answer has not come
+        self._to_return: dict[int, tuple[list[Request], list[int]]] = {}
         self._mode = preemption_mode(config)
         self.num_alg2_placements = 0  # requests Algorithm 2's Euclidean rule added (reports)
         # counters for reports (`stats_report`): whether each of the paper's mechanisms fired
@@ -224,9 +229,22 @@ class AccelGenPolicy(Policy):
         self.index.drop(request.request_id)
         self.long_active.discard(request.request_id)
 
+    def on_step_committed(self, plan: StepPlan, now: float) -> None:
+        """The step's batch goes back to the queue when its answer comes (`on_step_result`),
+        or, planned ahead, at the next `schedule` if that comes first."""
+        self._to_return[plan.step_id] = (self._batch, self._chunks)
+
     def on_step_result(self, plan: StepPlan, result: StepResult, now: float) -> None:
-        self.rt.observe_step(result.total_s, self._chunks, len(result.sampled_token_ids))
-        for req in self._batch:
+        batch, chunks = self._to_return.pop(plan.step_id, ((), ()))
+        self.rt.observe_step(result.total_s, list(chunks), len(result.sampled_token_ids))
+        self._return_batch(batch, now)
+        if self._to_return and min(self._to_return) < plan.step_id:  # steps a failure voided
+            self._to_return = {k: v for k, v in self._to_return.items() if k > plan.step_id}
+
+    def _return_batch(self, batch: list[Request] | tuple[()], now: float) -> None:
+        """The batch's requests return to the queue (each running one is in every iteration's
+        ordering); emptied, so that it returns once."""
+        for req in batch:
             if not req.status.is_running:
                 continue  # finished (already dropped) or preempted (already re-queued)
             if req.is_prefill:
@@ -234,11 +252,17 @@ class AccelGenPolicy(Policy):
             else:
                 self.long_active.discard(req.request_id)
                 self._enqueue(req, now)  # a returned TG task: its clock restarts at its token
-        self._batch = []
-        self._chunks = []
+        if batch:
+            batch.clear()
 
     # ------------------------------------------------------------------ one iteration
     def schedule(self, step: StepBuilder, now: float) -> None:
+        # NOTE: overlap: the batch of the step in flight returns now, as one step at a time
+        # its answer returns it just before this plan (a TG task's clock restarts here: the
+        # moment its step's token would be acted on); that step's time enters T_max with
+        # its answer, one plan later.
+        for batch, _ in self._to_return.values():
+            self._return_batch(batch, now)
         self._batch = []
         self._chunks = []
         r = _Round(step, now, allow_waiting=len(step.running) < self.ctx.max_num_seqs)

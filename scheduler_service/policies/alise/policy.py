@@ -119,6 +119,10 @@ def build_exec_model(config: AliseConfig, ctx: PolicyContext) -> ExecTimeModel:
 @POLICIES.register("alise")
 class AlisePolicy(QueuePolicy):
     name = "alise"
+    # NOTE: ranks and mispredictions follow committed counts (`on_step_committed`), so a plan
+    # made ahead sees them as one step at a time does; a job that ends at step N is judged
+    # with it (its rank in plan N+1, where it computes one voided token, may differ).
+    overlap_safe = True
     config_cls = AliseConfig
     config: AliseConfig
 
@@ -128,6 +132,7 @@ class AlisePolicy(QueuePolicy):
         self.level_base_s = self.model.decode(256, config.level_base_tokens)
         self.age_s = config.age_threshold_s if config.age_threshold_s is not None else 16 * self.level_base_s
         self._aging: list[tuple[float, int, Request]] = []
+        self._judged: dict[int, list[Request]] = {}  # step id -> jobs it found mispredicted
 
     @property
     def int8_swap(self) -> bool:
@@ -182,20 +187,40 @@ class AlisePolicy(QueuePolicy):
             st.level = self.level_for(self.remaining_time(request))
             self.requeue(request)
 
-    def on_step_result(self, plan: StepPlan, result: StepResult, now: float) -> None:
+    def on_step_committed(self, plan: StepPlan, now: float) -> None:
+        """A job's queue follows its remaining time as it runs, and a job that reached its
+        predicted length without finishing has its prediction doubled and is demoted. On
+        counts only, so with overlap the next plan sees both as it does one step at a time;
+        a job judged so that then finishes at this very step (known from the answer) was
+        not mispredicted: `on_step_result` takes it off the count."""
         jobs = self.jobs
+        judged: list[Request] = []
         for rid in plan.num_scheduled_tokens:
             req = jobs.get(rid)
             if req is None:
                 continue
             st: JobState = req.policy_state
-            st.clock = now
             if req.is_prefill:
                 continue
             if req.num_output_tokens >= st.predicted:
                 self._mispredicted(req, st)
+                judged.append(req)
             elif st.level > 1:
                 st.level = min(st.level, self.level_for(self.remaining_time(req)))
+        if judged:
+            self._judged[plan.step_id] = judged
+
+    def on_step_result(self, plan: StepPlan, result: StepResult, now: float) -> None:
+        jobs = self.jobs
+        for rid in plan.num_scheduled_tokens:
+            req = jobs.get(rid)
+            if req is not None:
+                req.policy_state.clock = now
+        for req in self._judged.pop(plan.step_id, ()):
+            if req.status.is_finished:  # planned ahead: it ended at the step that judged it
+                self.stats["mispredictions"] -= 1
+        if self._judged and min(self._judged) < plan.step_id:  # steps a failure voided
+            self._judged = {k: v for k, v in self._judged.items() if k > plan.step_id}
 
     def _mispredicted(self, req: Request, st: JobState) -> None:
         """Generated reached the prediction without finishing: double it and demote."""

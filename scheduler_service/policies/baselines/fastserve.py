@@ -44,6 +44,9 @@ class FastServePolicy(QueuePolicy):
     name = "fastserve"
     config_cls = FastServeConfig
     config: FastServeConfig
+    # NOTE: a step's service is its measured time, known from its answer: planned ahead, a job
+    # whose quantum step N used up is demoted from plan N+2 on (it runs N+1 in its old queue).
+    overlap_safe = True
     # NOTE: a paused job's rank never moves (demotion happens to jobs that ran), and thousands
     # of jobs sit paused: sorting them every step was a fifth of `schedule()`.
     index_paused = True
@@ -95,7 +98,9 @@ class FastServePolicy(QueuePolicy):
             st.clock = now
             st.attained += result.total_s
             if quantum_spent(st.level, st.attained, self.quanta):
+                waiting = self.unfile(req)
                 st.level += 1
                 st.attained = 0.0
                 st.key = float(self.next_seq())  # the tail of the next queue
                 st.rank = (st.level, st.key, st.seq)
+                self.refile(req, waiting)

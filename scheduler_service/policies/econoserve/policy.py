@@ -52,7 +52,7 @@ from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.costmodel.pivot import pivot_forward_size
 from scheduler_service.policies.econoserve.pipe import KVPipe
 from scheduler_service.policies.econoserve.queues import GTQueue, OrderingConfig, PTQueue, TaskState, ordering_key
-from sluice.contract.plan import StepPlan, StepResult
+from sluice.contract.plan import StepPlan
 
 RESERVE = "econoserve"
 VARIANTS = {
@@ -88,6 +88,9 @@ class EconoServeConfig(PolicyConfig):
 @POLICIES.register("econoserve")
 class EconoServePolicy(Policy):
     name = "econoserve"
+    # NOTE: a PT becomes a GT when its last prefill step is committed (`on_step_committed`);
+    # a group that completes at step N is refilled from N+2 on, as any seat a finish frees.
+    overlap_safe = True
     config_cls = EconoServeConfig
     config: EconoServeConfig
 
@@ -440,7 +443,10 @@ class EconoServePolicy(Policy):
             )
         del self.states[request.request_id]
 
-    def on_step_result(self, plan: StepPlan, result: StepResult, now: float) -> None:
+    def on_step_committed(self, plan: StepPlan, now: float) -> None:
+        """A PT whose prefill the step completed becomes a GT. Done when the step is committed
+        (with overlap: when it is planned), so the next plan finds it in the GT queue, not in
+        neither queue (its prefill done, no group yet)."""
         for rid, req in list(self.prefilling.items()):
             if req.status is RequestStatus.DECODING:
                 state: TaskState = req.policy_state

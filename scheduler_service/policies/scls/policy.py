@@ -85,6 +85,9 @@ class _Slice:
 class SCLSPolicy(Policy):
     name = "scls"
     config_cls = SCLSConfig
+    # NOTE: a slice ends (its members back to the pool) only after its last step's answer;
+    # rows that finish at step N decode once more in N+1 (voided), as finished rows do anyway.
+    overlap_safe = True
     config: SCLSConfig
 
     def __init__(self, config: PolicyConfig, ctx: PolicyContext) -> None:
@@ -139,6 +142,11 @@ class SCLSPolicy(Policy):
             live = [r for r in current.members if r.status.is_running]
             if live and current.iteration < current.slice_len:
                 self._decode(step, current, live)
+                return
+            if any(step.in_flight(r) for r in live):
+                # NOTE: planned ahead, the slice's last step is still running: its members go
+                # back to the pool once its tokens are in (returned now, they would lose them
+                # to a recompute), so this plan is empty, as one step at a time would wait.
                 return
             self._end_slice(step, current, live)
         self._start_batch(step)
