@@ -19,7 +19,7 @@ by it (Sarathi) take the tightest of the requests on the worker, live and simula
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,28 +100,26 @@ class Deployment:
     def worker_swap_space_gib(self) -> float:
         return self.swap_space_gib if self.swap_space_gib is not None else DEFAULT_SWAP_SPACE_GIB
 
-    def check(self) -> None:
-        """Refuses a setting neither driver can run with, in one line naming the field."""
+    def check(self, label: Callable[[str], str] = lambda name: f"{name}:") -> None:
+        """Refuses a setting neither driver can run with, in one line naming the field as
+        `label` writes it (the live scheduler: `max_waiting:`; the simulator: its flag)."""
+
+        def refuse(name: str, rule: str) -> None:
+            raise ValueError(f"{label(name)} must be {rule}, got {getattr(self, name)}")
+
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name}: must be >= 1 (or none), got {value}")
+            if (value := getattr(self, name)) is not None and value < 1:
+                refuse(name, ">= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(
-                f"max_model_len: must be >= 2 (a prompt token and an output token), got {self.max_model_len}"
-            )
-        if self.max_offline_waiting < 0:
-            raise ValueError(f"max_offline_waiting: must be >= 0, got {self.max_offline_waiting}")
-        for name in ("queue_timeout_s", "tbt_slo_s"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name}: must be > 0 (or none), got {value!r}")
+            refuse("max_model_len", ">= 2 (a prompt token and an output token)")
+        for name in ("max_offline_waiting", "swap_space_gib"):
+            if (value := getattr(self, name)) is not None and value < 0:
+                refuse(name, ">= 0")
+        for name in ("queue_timeout_s", "tbt_slo_s", "transfer_timeout_s"):
+            if (value := getattr(self, name)) is not None and not value > 0:
+                refuse(name, "> 0")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.swap_space_gib is not None and not self.swap_space_gib >= 0:
-            raise ValueError(f"swap_space_gib: must be >= 0, got {self.swap_space_gib}")
-        if not self.transfer_timeout_s > 0:
-            raise ValueError(f"transfer_timeout_s: must be > 0, got {self.transfer_timeout_s}")
+            refuse("gpu_memory_utilization", "in (0, 1]")
 
 
 def cluster_spec(

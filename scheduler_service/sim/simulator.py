@@ -111,17 +111,13 @@ class SimConfig(Deployment):
     progress: bool = opt(False, "progress bar", flag=False)
 
     def validate(self) -> None:
-        """Refuses a setting no simulation can run with, in one line naming its flag."""
+        """Refuses a setting no simulation can run with, in one line naming its flag (the
+        deployment's settings by `Deployment.check`, as the live scheduler checks them)."""
+        self.check(lambda name: flag_of(self, name))
         at_least(self, "num_workers", 1)
         at_least(self, "block_size", 1)
-        at_least(self, "max_num_seqs", 1)
-        at_least(self, "max_num_batched_tokens", 1)
-        at_least(self, "max_model_len", 2, "a prompt token and an output token")
         at_least(self, "max_tokens", 1)
-        at_least(self, "max_waiting", 1)
-        at_least(self, "max_offline_waiting", 0)
         for name in (
-            "swap_space_gib",
             "length_error",
             "step_overhead_s",
             "seq_overhead_s",
@@ -141,31 +137,27 @@ class SimConfig(Deployment):
             raise ValueError(f"--prefill-workers and --decode-workers go together, {got}")
         if self.network not in NETWORKS:
             raise ValueError(f"--network must be one of {', '.join(NETWORKS)}, got {self.network!r}")
-        if not self.transfer_timeout_s > 0:
-            raise ValueError(f"--transfer-timeout-s must be > 0, got {self.transfer_timeout_s}")
-        if self.tbt_slo_s is not None and not self.tbt_slo_s > 0:
-            raise ValueError(f"--tbt-slo-s must be > 0, got {self.tbt_slo_s}")
         if not 0 <= self.transfer_failure_rate <= 1:
             raise ValueError(f"--transfer-failure-rate must be in [0, 1], got {self.transfer_failure_rate}")
         if self.kv_gb is not None and self.kv_gb <= 0:
             raise ValueError(f"--kv-gb must be > 0 GiB, got {self.kv_gb}")
-        if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
-            raise ValueError(f"--queue-timeout-s must be > 0, got {self.queue_timeout_s}")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @property
     def disaggregated(self) -> bool:
         return self.prefill_workers > 0
 
 
+def flag_of(config: object, name: str) -> str:
+    """The command-line flag of `config`'s field `name` (`--workers` for `num_workers`)."""
+    return "--" + next(cli_name(f) for f in fields(config) if f.name == name).replace("_", "-")  # type: ignore[arg-type]
+
+
 def at_least(config: object, name: str, low: float, why: str = "") -> None:
     """`config.name` is None or >= low; else ValueError naming the field's flag."""
     value = getattr(config, name)
     if value is not None and value < low:
-        flag = "--" + next(cli_name(f) for f in fields(config) if f.name == name).replace("_", "-")  # type: ignore[arg-type]
         reason = f" ({why})" if why else ""
-        raise ValueError(f"{flag} must be >= {low}{reason}, got {value}")
+        raise ValueError(f"{flag_of(config, name)} must be >= {low}{reason}, got {value}")
 
 
 @dataclass

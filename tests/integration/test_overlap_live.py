@@ -109,16 +109,21 @@ async def test_overlap_gives_the_tokens_of_no_overlap_with_stops_cancels_and_pre
                 assert loop.pipeline.num_ahead == 0
         await asyncio.sleep(0.1)
         assert await worker.held_requests() == 0, "the worker was told to release every request"
-    base, over = runs[False], runs[True]
-    for i in range(NUM):
-        if i in CANCEL_AFTER:
-            # a cancelled stream carries what came before the cancel, never a token after it
-            assert over[i][0] == base[i][0][: len(over[i][0])]
-            continue
-        assert over[i] == base[i], f"request {i} differs with overlap"
+    assert_same_streams(runs[False], runs[True])
+    base = runs[False]
     for i in stops:
         assert base[i][2] == common_pb2.FINISH_REASON_STOP
         assert stops[i] not in base[i][1]
+
+
+def assert_same_streams(base: dict, over: dict) -> None:
+    """Every request streamed the same tokens, text and ending with overlap as without; a
+    cancelled stream carries what came before the cancel, never a token after it."""
+    for i in range(NUM):
+        if i in CANCEL_AFTER:
+            assert over[i][0] == base[i][0][: len(over[i][0])]
+            continue
+        assert over[i] == base[i], f"request {i} differs with overlap"
 
 
 @pytest.mark.parametrize("policy", ["fastserve", "alise", "econoserve", "accelgen", "scls:batch_size=8,slice_len=6"])
@@ -138,9 +143,4 @@ async def test_every_policy_overlaps_live_with_the_tokens_of_no_overlap(
             assert (client.server.live.loops[0].pipeline.num_ahead > 0) == overlap
         await asyncio.sleep(0.1)
         assert await worker.held_requests() == 0, "the worker was told to release every request"
-    base, over = runs[False], runs[True]
-    for i in range(NUM):
-        if i in CANCEL_AFTER:
-            assert over[i][0] == base[i][0][: len(over[i][0])]
-            continue
-        assert over[i] == base[i], f"request {i} differs with overlap"
+    assert_same_streams(runs[False], runs[True])
