@@ -43,10 +43,15 @@ from sluice_bench.vllm_plugin_harness import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 2048
+MAX_NUM_BATCHED_TOKENS = 1024
+KV_BYTES = 256 * 2**20
+KV_BLOCKS = KV_BYTES // (2 * 2 * 1 * 64 * 2 * BLOCK_SIZE)  # K and V, 2 layers, 1 KV head of 64, bf16
 SERVE_FLAGS = [
     "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
-    "--kv-cache-memory-bytes", str(256 * 2**20), "--block-size", "32", "--max-model-len", "2048",
-    "--max-num-batched-tokens", "1024", "--no-enable-prefix-caching",
+    "--kv-cache-memory-bytes", str(KV_BYTES), "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
+    "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "--no-enable-prefix-caching",
 ]  # fmt: skip
 TTFT_SLO_S = 1.0  # online requests' SLOs for goodput (and their hints)
 TBT_SLO_S = 0.1
@@ -159,11 +164,12 @@ class TraceItem:
 
 
 def make_trace(rate: float, n: int, seed: int) -> list[TraceItem]:
+    """Poisson arrivals at `rate` requests/s; rate 0: every request at once (a burst)."""
     rng = random.Random(seed)
     t = 0.0
     items = []
     for i in range(n):
-        t += rng.expovariate(rate)
+        t += rng.expovariate(rate) if rate > 0 else 0.0
         out = rng.randint(8, 32) if rng.random() < 0.7 else rng.randint(64, 160)
         plen = rng.randint(32, 256)
         online = rng.random() >= 0.2
@@ -250,6 +256,9 @@ def summarize(trace: list[TraceItem], results: list[Result], wall_s: float) -> d
     ttft = [r.token_times[0] - r.sent for r in ok]
     tbt = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
     norm = [(r.token_times[-1] - r.sent) / by_id[r.rid].out for r in ok]
+    # NOTE: a loaded API server merges several tokens into one streamed chunk (gaps of 0), so a
+    # request's mean gap, (last - first) / (tokens - 1), is the TBT that survives the merging
+    mean_tbt = [(r.token_times[-1] - r.token_times[0]) / (r.tokens - 1) for r in ok if r.tokens > 1]
     good = sum(judge_slo(slo_of(by_id[r.rid]), r.sent, r.token_times).met for r in ok)
     short = [(r.token_times[-1] - r.sent) / by_id[r.rid].out for r in ok if by_id[r.rid].out <= 32]
     return {
@@ -261,12 +270,16 @@ def summarize(trace: list[TraceItem], results: list[Result], wall_s: float) -> d
         "ttft_p99_s": pct(ttft, 99),
         "tbt_p50_s": pct(tbt, 50),
         "tbt_p99_s": pct(tbt, 99),
+        "request_tbt_p50_s": pct(mean_tbt, 50),
         "mean_norm_latency_s": statistics.mean(norm) if norm else float("nan"),
         "mean_norm_latency_short_s": statistics.mean(short) if short else float("nan"),
         "goodput_req_s": good / wall_s,
         "slo_attainment": good / len(results),
         "wall_s": wall_s,
-    }
+        # per request: sent (monotonic s, the engine's clock too), prompt, output, priority, JCT
+        "sent": [[r.rid, r.sent, len(by_id[r.rid].prompt), by_id[r.rid].out, by_id[r.rid].priority,
+                  r.token_times[-1] - r.sent] for r in ok],
+    }  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- servers
@@ -275,16 +288,20 @@ def summarize(trace: list[TraceItem], results: list[Result], wall_s: float) -> d
 class Server:
     """`vllm serve` through the project's launcher: vLLM's own scheduler (policy None) or the plug-in."""
 
-    def __init__(self, policy: str | None, port: int, max_num_seqs: int, log_dir: Path) -> None:
+    def __init__(self, policy: str | None, port: int, max_num_seqs: int, log_dir: Path, step_log: bool = False) -> None:
         self.policy = policy
         self.base = f"http://127.0.0.1:{port}"
         self.trace = log_dir / f"trace-{port}.jsonl"
+        self.step_log = log_dir / f"steps-{port}.jsonl"
+        self.step_log.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "sluice_vllm.launcher", "serve", TINY_MODEL, *SERVE_FLAGS]
         cmd += ["--max-num-seqs", str(max_num_seqs), "--host", "127.0.0.1", "--port", str(port)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if policy is not None:
             cmd += ["--scheduler-cls", "sluice_vllm.scheduler.SluiceScheduler"]
             env |= {"SLUICE_VLLM_POLICY": policy, "SLUICE_VLLM_TRACE": str(self.trace)}
+            if step_log:
+                env["SLUICE_VLLM_STEP_LOG"] = str(self.step_log)
         self.log = (log_dir / f"serve-{port}.log").open("w")
         # its own process group, so stopping it reaches the engine core and worker it spawns
         self.proc = subprocess.Popen(
@@ -303,6 +320,19 @@ class Server:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"vllm serve ({self.policy}) did not come up") from None
                 time.sleep(1.0)
+
+    def cpu_s(self) -> float:
+        """CPU seconds of the server's processes so far (API server, engine core, their children)."""
+        import psutil
+
+        total = 0.0
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(self.proc.pid)
+            for proc in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    t = proc.cpu_times()
+                    total += t.user + t.system
+        return total
 
     def counters(self) -> dict[str, float]:
         if not self.trace.exists():
@@ -326,24 +356,25 @@ class Server:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Every server starts at once (idle engines wait on their input queue), then the runs go
-    one at a time: vLLM's own vs the FCFS plug-in interleaved over repeats, then each load with
-    every scheduler in turn, so drift of a shared machine spreads over all of them."""
+    one at a time: a burst on the FCFS plug-in measures the engine's capacity (and is the step
+    profile the simulator prices with); vLLM's own vs the FCFS plug-in at saturation, interleaved
+    over repeats; then each load (a share of that capacity) with every scheduler in turn, so
+    drift of a shared machine spreads over all of them; last, the simulator's prediction of
+    every run."""
     from tqdm import tqdm
 
     from sluice_vllm.policies import step_time_line
 
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    loads = [float(x) for x in args.rates.split(",")]
     names = ["vllm", "fcfs", *args.policy]
     results: dict[str, Any] = {
-        "rates": loads,
         "requests": args.requests,
         "max_num_seqs": args.max_num_seqs,
         "policies": {n: {} for n in names},
     }
     servers = {
-        name: Server(None if name == "vllm" else name, args.port + k, args.max_num_seqs, log_dir)
+        name: Server(None if name == "vllm" else name, args.port + k, args.max_num_seqs, log_dir, name == "fcfs")
         for k, name in enumerate(names)
     }
     try:
@@ -352,25 +383,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         def run(name: str, rate: float, seed: int) -> dict[str, Any]:
             trace = make_trace(rate, args.requests, seed)
+            cpu = servers[name].cpu_s()
+            started = time.monotonic()
             res, wall = asyncio.run(replay(servers[name].base, trace))
-            return summarize(trace, res, wall)
+            m = summarize(trace, res, wall)
+            tokens = sum(r.tokens for r in res)
+            m["cpu_s_per_token"] = (servers[name].cpu_s() - cpu) / max(tokens, 1)
+            m["window"] = [started, time.monotonic()]
+            return m
 
         def save() -> None:
             if args.out:
                 write_json(results, args.out, indent=1, quiet=True)
 
-        rate = loads[len(loads) // 2]
+        calibration = run("fcfs", 0.0, seed=99)  # a burst: the engine's capacity and its step profile
+        capacity = args.requests / calibration["wall_s"]
+        results["capacity"] = {"req_s": capacity, "run": calibration}
+        loads = [float(x) for x in args.rates.split(",")] if args.rates else [f * capacity for f in args.loads]
+        results["rates"] = loads
+        print(f"capacity (FCFS plug-in, a burst of {args.requests}): {capacity:.2f} req/s; loads {loads}")
         pairs = []
-        for rep in tqdm(range(args.repeats), desc="vllm vs fcfs plug-in"):
+        for rep in tqdm(range(args.repeats), desc="vllm vs fcfs plug-in at saturation"):
             order = ["vllm", "fcfs"] if rep % 2 == 0 else ["fcfs", "vllm"]
-            pairs.append({n: run(n, rate, seed=100 + rep) for n in order})
-        results["identity"] = {"rate": rate, "runs": pairs}
+            pairs.append({n: run(n, 0.0, seed=100 + rep) for n in order})
+        results["identity"] = {"rate": "burst", "runs": pairs}
         save()
         for r in loads:
             for rep in range(args.policy_repeats):  # every scheduler once per repeat, interleaved
-                for name in tqdm(names, desc=f"rate {r} #{rep + 1}"):
+                for name in tqdm(names, desc=f"rate {r:.2f} #{rep + 1}"):
                     m = run(name, r, seed=7 + rep)
-                    results["policies"][name].setdefault(str(r), m)
                     results["policies"][name].setdefault(f"{r}_runs", []).append(m)
                 save()
         for name in names[1:]:
@@ -378,6 +419,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         line = step_time_line(servers["fcfs"].counters())
         if line is not None:
             results["step_time_fit"] = {"base_ms": line.base_s * 1e3, "us_per_token": line.per_token_s * 1e6}
+        time.sleep(1.0)  # the engine writes its step log when it runs out of requests
+        results["prediction"] = predict(results, servers["fcfs"].step_log, args)
         save()
     finally:
         for server in servers.values():
@@ -386,32 +429,108 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def predict(results: dict[str, Any], step_log: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The simulator's median JCT for every run of a policy with a Sluice counterpart, priced by
+    a profile fitted on the FCFS engine's steps during the calibration burst only."""
+    from sluice_bench.vllm_plugin_predict import (
+        SIM_POLICY,
+        SentRequest,
+        busy_samples,
+        fit_profile,
+        median_error,
+        model_spec,
+        predict_jct,
+        read_steps,
+    )
+
+    start, end = results["capacity"]["run"]["window"]
+    samples = busy_samples(read_steps(step_log), start, end)
+    cost_model = fit_profile(samples, model_spec(Path(TINY_MODEL), MAX_MODEL_LEN), BLOCK_SIZE)
+    fit = cost_model.fit_report()
+    out: dict[str, Any] = {"profile_steps": len(samples), "profile_mape": fit.mape, "runs": []}
+    for name, by_rate in results["policies"].items():
+        if name not in SIM_POLICY:
+            continue
+        for rate in results["rates"]:
+            for k, m in enumerate(by_rate.get(f"{rate}_runs", [])):
+                sent = [SentRequest(rid, t, p, o, pr) for rid, t, p, o, pr, _ in m["sent"]]
+                measured = {rid: jct for rid, *_, jct in m["sent"]}
+                simulated = predict_jct(
+                    name,
+                    sent,
+                    cost_model,
+                    num_blocks=KV_BLOCKS,
+                    block_size=BLOCK_SIZE,
+                    max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                    max_model_len=MAX_MODEL_LEN,
+                )
+                live, sim, err = median_error(measured, simulated)
+                run = {"policy": name, "rate": rate, "repeat": k, "live_jct_p50_s": live, "sim_jct_p50_s": sim}
+                out["runs"].append(run | {"error": err})
+    return out
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}..{max(values):.3f})"
+
+
 def report(results: dict[str, Any]) -> None:
     runs = results["identity"]["runs"]
-    thr = [r["fcfs"]["throughput_tok_s"] / r["vllm"]["throughput_tok_s"] for r in runs]
-    tbt = [r["fcfs"]["tbt_p50_s"] / r["vllm"]["tbt_p50_s"] for r in runs]
-    print(f"FCFS plug-in / vLLM's own: throughput {statistics.median(thr):.3f} ({min(thr):.3f}..{max(thr):.3f}), "
-          f"TBT p50 {statistics.median(tbt):.3f} ({min(tbt):.3f}..{max(tbt):.3f})")  # fmt: skip
+
+    def ratios(key: str) -> list[float]:
+        return [r["fcfs"][key] / r["vllm"][key] for r in runs]
+
+    print(f"capacity {results['capacity']['req_s']:.2f} req/s; FCFS plug-in / vLLM's own at saturation "
+          f"(median, range of {len(runs)}): throughput {spread(ratios('throughput_tok_s'))}, "
+          f"request TBT p50 {spread(ratios('request_tbt_p50_s'))}, "
+          f"server CPU per token {spread(ratios('cpu_s_per_token'))}")  # fmt: skip
     rows = []
+    fcfs = results["policies"]["fcfs"]
     for name, by_rate in results["policies"].items():
         for rate in results["rates"]:
-            m = by_rate.get(str(rate))
-            if m is None:
+            ms = by_rate.get(f"{rate}_runs")
+            if not ms:
                 continue
+            mean = {k: statistics.mean(m[k] for m in ms) for k in ms[0] if isinstance(ms[0][k], float)}
+            pairs = zip(fcfs[f"{rate}_runs"], ms, strict=True)  # the same seeds
+            vs = [f["mean_norm_latency_s"] / m["mean_norm_latency_s"] for f, m in pairs]
             rows.append(
                 {
                     "policy": name,
-                    "rate": rate,
-                    "tok/s": m["throughput_tok_s"],
-                    "TTFT p50/p99 s": f"{m['ttft_p50_s']:.2f}/{m['ttft_p99_s']:.2f}",
-                    "TBT p50/p99 ms": f"{m['tbt_p50_s'] * 1e3:.1f}/{m['tbt_p99_s'] * 1e3:.1f}",
-                    "norm s/tok": m["mean_norm_latency_s"],
-                    "goodput": m["goodput_req_s"],
-                    "ok": "y" if m["tokens_match"] and not m["failed"] else "n",
+                    "req/s": rate,
+                    "tok/s": mean["throughput_tok_s"],
+                    "TTFT p50/p99 s": f"{mean['ttft_p50_s']:.2f}/{mean['ttft_p99_s']:.2f}",
+                    "TBT p50/p99 ms": f"{mean['request_tbt_p50_s'] * 1e3:.1f}/{mean['tbt_p99_s'] * 1e3:.0f}",
+                    "norm ms/tok": mean["mean_norm_latency_s"] * 1e3,
+                    "FCFS/this": f"{statistics.median(vs):.2f} ({min(vs):.2f}..{max(vs):.2f})",
+                    "goodput": mean["goodput_req_s"],
+                    "ok": "y" if all(m["tokens_match"] and not m["failed"] for m in ms) else "n",
                 }
             )
-    formats = {"rate": "{:.1f}", "tok/s": "{:.0f}", "norm s/tok": "{:.4f}", "goodput": "{:.2f}"}
-    print_table(rows, formats=formats, right=("TTFT p50/p99 s", "TBT p50/p99 ms"))
+    formats = {"req/s": "{:.2f}", "tok/s": "{:.0f}", "norm ms/tok": "{:.1f}", "goodput": "{:.2f}"}
+    print_table(rows, formats=formats, right=("TTFT p50/p99 s", "TBT p50/p99 ms", "FCFS/this"))
+    pred = results.get("prediction")
+    if pred:
+        print(f"simulator priced by {pred['profile_steps']} steps of the calibration burst "
+              f"(fit error {pred['profile_mape']:.1%}):")  # fmt: skip
+        cells: dict[tuple[str, float], list[dict[str, Any]]] = {}
+        for r in pred["runs"]:
+            cells.setdefault((r["policy"], r["rate"]), []).append(r)
+        table = [
+            {
+                "policy": p,
+                "req/s": rate,
+                "live JCT p50 s": statistics.mean(r["live_jct_p50_s"] for r in rs),
+                "sim JCT p50 s": statistics.mean(r["sim_jct_p50_s"] for r in rs),
+                "error": ", ".join(f"{r['error']:.1%}" for r in rs),
+            }
+            for (p, rate), rs in cells.items()
+        ]
+        print_table(table, formats={"req/s": "{:.2f}", "live JCT p50 s": "{:.2f}", "sim JCT p50 s": "{:.2f}"})
+        errors = [r["error"] for r in pred["runs"]]
+        print(f"median JCT error over {len(errors)} runs: median {statistics.median(errors):.1%}, "
+              f"within 15%: {sum(e <= 0.15 for e in errors)}/{len(errors)}")  # fmt: skip
 
 
 def main() -> int:
@@ -425,12 +544,18 @@ def main() -> int:
     o.add_argument("--out")
     o.set_defaults(func=cmd_overhead)
     s = sub.add_parser("serve")
-    s.add_argument("--rates", default="0.75,1.5,3", help="requests/s: three loads, the last past capacity")
-    s.add_argument("--requests", type=int, default=30)
-    s.add_argument("--repeats", type=int, default=3, help="interleaved vLLM-vs-FCFS-plug-in runs")
+    s.add_argument(
+        "--loads",
+        type=lambda v: [float(x) for x in v.split(",")],
+        default=[0.5, 0.9, 1.5],
+        help="arrival rates as shares of the capacity a burst measures first (the last past it)",
+    )
+    s.add_argument("--rates", help="absolute requests/s instead of --loads")
+    s.add_argument("--requests", type=int, default=40)
+    s.add_argument("--repeats", type=int, default=4, help="interleaved vLLM-vs-FCFS-plug-in runs at saturation")
     s.add_argument("--max-num-seqs", type=int, default=4)
     s.add_argument(
-        "--policy-repeats", type=int, default=1, help="runs of every scheduler at each load (seeds 7, 8, ...)"
+        "--policy-repeats", type=int, default=2, help="runs of every scheduler at each load (seeds 7, 8, ...)"
     )
     s.add_argument("--policy", action="append", default=None)
     s.add_argument("--port", type=int, default=18200)

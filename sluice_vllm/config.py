@@ -10,6 +10,9 @@ place it comes from; `vllm serve` passes its environment on to the engine core i
     SLUICE_VLLM_PREDICTOR_MODEL        the served model's name as the predictor knows it
     SLUICE_VLLM_TRACE      a file the plug-in appends JSON lines to: each request's hints as
                            they arrived, and the counters every `trace_every_s` and at exit
+    SLUICE_VLLM_STEP_LOG   a file the plug-in appends one JSON line per step to: when the step
+                           was scheduled, its prefill chunks and decodes, the requests left
+                           after it (what a step-time profile of the served engine is fitted on)
 
 Each policy's keys are the fields of its options class in `sluice_vllm.policies`; an unknown
 key or a bad value is an error that names it, raised when vLLM builds the scheduler.
@@ -26,6 +29,7 @@ ENV_PREDICTOR = "SLUICE_VLLM_PREDICTOR"
 ENV_PREDICTOR_TIMEOUT_MS = "SLUICE_VLLM_PREDICTOR_TIMEOUT_MS"
 ENV_PREDICTOR_MODEL = "SLUICE_VLLM_PREDICTOR_MODEL"
 ENV_TRACE = "SLUICE_VLLM_TRACE"
+ENV_STEP_LOG = "SLUICE_VLLM_STEP_LOG"
 DEFAULT_PREDICTOR_TIMEOUT_MS = 200.0  # the live scheduler's default (scheduler_service/live/config.py)
 
 
@@ -41,6 +45,7 @@ class PluginConfig:
     predictor_timeout_s: float = DEFAULT_PREDICTOR_TIMEOUT_MS / 1e3
     predictor_model: str = ""
     trace_path: str | None = None
+    step_log_path: str | None = None
 
 
 def parse_policy(spec: str) -> tuple[str, dict[str, str]]:
@@ -72,6 +77,7 @@ def from_env(env: dict[str, str] | None = None) -> PluginConfig:
         predictor_timeout_s=timeout_s,
         predictor_model=env.get(ENV_PREDICTOR_MODEL, ""),
         trace_path=env.get(ENV_TRACE) or None,
+        step_log_path=env.get(ENV_STEP_LOG) or None,
     )
 
 

@@ -114,6 +114,51 @@ class Trace:
             self._file = None
 
 
+class StepLog:
+    """One JSON line per step (opt-in, `SLUICE_VLLM_STEP_LOG`): `t` when vLLM's schedule() was
+    called (monotonic s), `p` its prefill chunks as [new tokens, tokens already computed], `d` the
+    context of each decode, `left` the requests still unfinished after the step. A step whose
+    `left` is not 0 is followed at once by the next one, so the gap to the next `t` is the whole
+    cost of the step in the engine (forward, sampling, scheduling, output handling): the time a
+    step-time profile of the served engine is fitted on. Lines are written when the engine runs
+    out of requests or every `FLUSH_EVERY` steps, not per step."""
+
+    FLUSH_EVERY = 256
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115  (open for the engine's life)
+        self._pending: dict[str, Any] | None = None
+        self._lines: list[str] = []
+
+    def scheduled(self, started: float, out: Any, requests: dict[str, Request]) -> None:
+        prefills: list[list[int]] = []
+        decodes: list[int] = []
+        for rid, n in out.num_scheduled_tokens.items():
+            req = requests[rid]
+            before = req.num_computed_tokens - n  # schedule() has already advanced it
+            if before >= req.num_prompt_tokens:
+                decodes.append(before)
+            else:
+                prefills.append([n, before])
+        self._pending = {"t": started, "p": prefills, "d": decodes}
+
+    def finished(self, left: int) -> None:
+        if self._pending is not None:
+            self._lines.append(json.dumps({**self._pending, "left": left}))
+            self._pending = None
+        if self._lines and (left == 0 or len(self._lines) >= self.FLUSH_EVERY):
+            self.flush()
+
+    def flush(self) -> None:
+        self._file.write("".join(line + "\n" for line in self._lines))
+        self._file.flush()
+        self._lines.clear()
+
+    def close(self) -> None:
+        self.flush()
+        self._file.close()
+
+
 class SluiceSchedulerMixin:
     """The plug-in over vLLM's `Scheduler` or `AsyncScheduler` (whichever follows it in the MRO)."""
 
@@ -139,6 +184,8 @@ class SluiceSchedulerMixin:
         self.sluice_counters = Counter()
         self.sluice_config = from_env()
         self._sluice_trace = Trace(self.sluice_config.trace_path)
+        path = self.sluice_config.step_log_path
+        self._sluice_step_log = StepLog(path) if path else None
         self._sluice_predictor = (
             PredictorBridge(
                 self.sluice_config.predictor, self.sluice_config.predictor_timeout_s, self.sluice_config.predictor_model
@@ -234,6 +281,8 @@ class SluiceSchedulerMixin:
         self._sluice_before(now)
         plugin_s = time.perf_counter() - started
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if self._sluice_step_log is not None and out.total_num_scheduled_tokens:
+            self._sluice_step_log.scheduled(now, out, self.requests)  # type: ignore[attr-defined]
         self._sluice_served = list(out.num_scheduled_tokens)
         self._sluice_step_started = time.monotonic()
         c = self.sluice_counters
@@ -305,6 +354,8 @@ class SluiceSchedulerMixin:
             for o in engine_outputs.outputs:
                 if o.finish_reason is not None:
                     self._sluice_finish(o.request_id)
+        if self._sluice_step_log is not None:
+            self._sluice_step_log.finished(len(self.requests))  # type: ignore[attr-defined]
         self.sluice_counters["plugin_s"] += time.perf_counter() - started
         return outputs
 
@@ -326,6 +377,8 @@ class SluiceSchedulerMixin:
         if self._sluice_predictor is not None:
             self._sluice_predictor.close()
         self._sluice_trace.close()
+        if self._sluice_step_log is not None:
+            self._sluice_step_log.close()
         super().shutdown()  # type: ignore[misc]
 
 

@@ -1,0 +1,92 @@
+"""The plug-in's step log (vLLM's real scheduler class, no model) and the simulator priced by it:
+what the benchmark predicts `vllm serve` runs with."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from sluice.contract.profile import BatchShape, StepSample
+from sluice_bench.vllm_plugin_harness import TINY_MODEL, build_scheduler, make_request, step
+from sluice_bench.vllm_plugin_predict import (
+    SentRequest,
+    busy_samples,
+    fit_profile,
+    model_spec,
+    predict_jct,
+    read_steps,
+)
+from sluice_vllm.scheduler import SluiceScheduler
+
+
+def test_step_log_records_each_step_as_vllm_scheduled_it(tmp_path: Path) -> None:
+    log = tmp_path / "steps.jsonl"
+    s = build_scheduler(
+        SluiceScheduler, env={"SLUICE_VLLM_STEP_LOG": str(log)}, max_num_batched_tokens=64, num_blocks=64
+    )
+    s.add_request(make_request("a", 100, 3))
+    s.add_request(make_request("b", 40, 2, arrival=1.0))
+    while s.requests:
+        step(s, model_s=0.005)
+    time.sleep(0.2)  # idle: the gap to the next request is no step's cost
+    s.add_request(make_request("c", 16, 2, arrival=2.0))
+    while s.requests:
+        step(s, model_s=0.005)
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    # chunked prefill under the 64-token budget, then decodes at their contexts
+    assert (lines[0]["p"], lines[0]["d"]) == ([[64, 0]], [])
+    assert (lines[1]["p"], lines[1]["d"]) == ([[36, 64], [28, 0]], [])
+    assert (lines[2]["p"], lines[2]["d"]) == ([[12, 28]], [100])
+    assert lines[3]["d"] == [101, 40]
+    assert [x["left"] for x in lines[:4]] == [2, 2, 2, 0]  # both answered at step 4
+    ends = [i for i, x in enumerate(lines) if x["left"] == 0]
+    assert len(ends) == 2 and ends[1] == len(lines) - 1  # each burst of work ends with none left
+
+    steps = read_steps(log)
+    assert steps[2].shape.prefill_chunks == [(12, 28)] and steps[2].shape.num_decodes == 1
+    samples = busy_samples(steps, steps[0].t, steps[-1].t)
+    assert len(samples) == len(steps) - 2  # neither last step before an idle gap is priced
+    assert all(0.005 <= x.time_s < 0.2 for x in samples)
+
+
+def synthetic_profile(base_s: float, per_token_s: float) -> list[StepSample]:
+    samples = []
+    for seqs in (1, 2, 3, 4):
+        for prefill in (0, 32, 128, 256):
+            shape = BatchShape(prefill_chunks=[(prefill, 0)] if prefill else [])
+            for _ in range(seqs):
+                shape.add_decode(100)
+            samples.append(StepSample(shape, base_s + per_token_s * shape.num_tokens))
+    return samples
+
+
+def test_simulator_priced_by_the_engine_steps_predicts_queueing_at_the_seat_limit() -> None:
+    cost_model = fit_profile(synthetic_profile(0.01, 1e-5), model_spec(Path(TINY_MODEL), 2048), 32)
+    assert cost_model.fit_report().mape < 0.05
+
+    def jct(requests: list[SentRequest], policy: str = "fcfs") -> dict[str, float]:
+        return predict_jct(
+            policy,
+            requests,
+            cost_model,
+            num_blocks=4096,
+            block_size=32,
+            max_num_seqs=4,
+            max_num_batched_tokens=1024,
+            max_model_len=2048,
+        )
+
+    alone = jct([SentRequest("x", 0.0, 64, 20, 0)])["x"]
+    assert 20 * 0.01 <= alone <= 22 * 0.0102  # one step per token at the profile's price
+    # eight at once on four seats: the second four wait for the first
+    burst = jct([SentRequest(f"r{i}", 0.0, 64, 20, 0) for i in range(8)])
+    first, second = sorted(burst.values())[:4], sorted(burst.values())[4:]
+    assert max(first) < 0.3 and min(second) > 1.8 * max(first) * 0.9
+    # shortest predicted first: ALISE finishes the short answers before a long one that came first
+    mixed = [SentRequest("long", 0.0, 64, 200, 0), *(SentRequest(f"s{i}", 0.0, 64, 10, 0) for i in range(4))]
+    assert jct(mixed, "alise")["s3"] < jct(mixed, "fcfs")["s3"]
