@@ -21,6 +21,9 @@ Scenarios (requests sent as `sluice bench` sends them, by scheduler_service/load
 
     python benchmarks/gateway_overhead.py --rounds 3 --json docs/results/data/openai_api.json
 
+Every scenario reports tokens per message: the scheduler sends in one message whatever tokens of
+a stream are queued when it writes, and the gateway one SSE chunk per message.
+
 Targets (issue 24): HTTP adds <= 1 ms to TTFT p50 at the demo's load, costs <= 5% of the
 throughput at saturation, and streams >= 1,000 tokens/s per core of the gateway.
 """
@@ -118,6 +121,8 @@ def cpu_us_per_token(before: dict[str, float], after: dict[str, float], tokens: 
 def row_of(backend: str, scenario: str, records: list[RequestRecord], wall: float, gateway_cpu: float) -> dict:
     metrics = summarize(records, policy="vllm", workload=scenario).metrics
     tokens = sum(len(r.token_times) for r in records)
+    # the tokens of one message (gRPC) or one SSE chunk (HTTP) arrive at one time
+    messages = sum(len(set(r.token_times)) for r in records)
     return {
         "backend": backend,
         "scenario": scenario,
@@ -127,6 +132,7 @@ def row_of(backend: str, scenario: str, records: list[RequestRecord], wall: floa
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
+        "tokens_per_message": tokens / max(1, messages),
         "errors": sum(1 for r in records if r.error_code),
         "gateway_cpu_s": gateway_cpu if backend == "http" else 0.0,
     }
@@ -273,6 +279,7 @@ def summary(rows: list[dict], scenarios: list[str]) -> dict[str, Any]:
             "grpc_tokens_per_s": statistics.median(p["grpc"]["tokens_per_s"] for p in pairs),
             "http_tokens_per_s": statistics.median(p["http"]["tokens_per_s"] for p in pairs),
             "http_over_grpc_throughput": {"median": statistics.median(ratio), "min": min(ratio), "max": max(ratio)},
+            "tokens_per_message": {b: statistics.median(p[b]["tokens_per_message"] for p in pairs) for b in BACKENDS},
             "gateway_tokens_per_cpu_s": {
                 "median": statistics.median(per_core) if per_core else None,
                 "min": min(per_core) if per_core else None,
@@ -328,6 +335,7 @@ def results_table(result: dict[str, Any]) -> str:
                     f"{ratio['median']:.3f} ({ratio['min']:.3f}..{ratio['max']:.3f})" if saturation else "-"
                 ),
                 "gateway tok/CPU-s": "-" if per_core is None else str(round(per_core)),
+                "tok/msg gRPC/HTTP": "{grpc:.2f}/{http:.2f}".format(**s["tokens_per_message"]),
             }
         )
     return format_table(rows, right=[k for k in rows[0] if k != "scenario"] if rows else ())

@@ -121,6 +121,7 @@ class Choices:
         self._queue: asyncio.Queue[tuple[int, Any]] | None = None
         self._tasks: list[asyncio.Task] = []
         self._left = len(calls)
+        self._failure: BaseException | None = None  # met by queued(), raised by the next next()
         if len(calls) > 1:
             self._queue = asyncio.Queue()
             self._tasks = [asyncio.create_task(self._pump(i, c)) for i, c in enumerate(calls)]
@@ -139,6 +140,8 @@ class Choices:
         if self._queue is None:
             msg = await self.calls[0].read()  # raises the call's error at its end
             return None if msg is grpc.aio.EOF else (0, msg)
+        if self._failure is not None:
+            raise self._failure
         while self._left:
             i, item = await self._queue.get()
             if item is None:
@@ -148,6 +151,21 @@ class Choices:
             else:
                 return i, item
         return None
+
+    def queued(self) -> list[tuple[int, generation_pb2.GenerateResponse]]:
+        """The messages of any choice that are here already (nothing waited for), up to an
+        error, which the next next() raises."""
+        out: list[tuple[int, generation_pb2.GenerateResponse]] = []
+        queue = self._queue
+        while queue is not None and self._failure is None and not queue.empty():
+            i, item = queue.get_nowait()
+            if item is None:
+                self._left -= 1
+            elif isinstance(item, BaseException):
+                self._failure = item
+            else:
+                out.append((i, item))
+        return out
 
     def cancel(self) -> None:
         """A no-op for a call that ended; otherwise the scheduler aborts its request."""
@@ -408,9 +426,10 @@ class Gateway:
         return 200
 
     async def _stream(self, gen: Generation, choices: Choices, send: Send, rid: str) -> int:
-        """Server-sent events, one write per scheduler message (the last with the end of the
-        body). The first message is awaited before the answer starts, so every failure before
-        it is a real HTTP status; a failure after it is an error event and no [DONE]."""
+        """Server-sent events, one per scheduler message, one write per message or per batch of
+        the choices' messages that came together (the last with the end of the body). The first
+        message is awaited before the answer starts, so every failure before it is a real HTTP
+        status; a failure after it is an error event and no [DONE]."""
         try:
             first = await choices.next()
         except grpc.aio.AioRpcError as exc:
@@ -427,11 +446,15 @@ class Gateway:
             event = b""
         self.metrics.ttft_of(gen.route).observe(time.perf_counter() - gen.arrival)
         try:
-            while (item := await choices.next()) is not None:
-                event = self._event(gen, *item)
-                if not gen.finished:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
-                    event = b""
+            if len(choices.calls) == 1:
+                event = await self._stream_one(gen, choices.calls[0], send, event)
+            else:
+                while (item := await choices.next()) is not None:
+                    # NOTE: the choices' messages that came together go out in one write
+                    event = b"".join([self._event(gen, *item), *(self._event(gen, *m) for m in choices.queued())])
+                    if not gen.finished:
+                        await send({"type": "http.response.body", "body": event, "more_body": True})
+                        event = b""
         except grpc.aio.AioRpcError as exc:
             error = from_rpc_error(exc, gen.parsed.aliases)
             await send({"type": "http.response.body", "body": error_event(error), "more_body": False})
@@ -439,6 +462,19 @@ class Gateway:
         usage = gen.shapes.usage_event(gen.usage()) if gen.parsed.include_usage else b""
         await send({"type": "http.response.body", "body": event + usage + DONE, "more_body": False})
         return 200
+
+    @staticmethod
+    async def _stream_one(gen: Generation, call: Any, send: Send, event: bytes) -> bytes:
+        """The rest of a one-choice stream after its first message (the usual request): one
+        event per message, read from the call itself; returns the last event, not yet sent.
+        NOTE: this loop is the gateway's per-token work, so it calls no more than it must."""
+        read, take, shape = call.read, gen.take, gen.shapes.event
+        while (msg := await read()) is not grpc.aio.EOF:  # raises the call's error at its end
+            event = shape(0, msg.text, take(0, msg), False)
+            if not gen.finished:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+                event = b""
+        return event
 
     async def _failed(self, gen: Generation, send: Send, error: ApiError) -> int:
         gen.answering = True

@@ -128,8 +128,13 @@ def _stop(body: dict) -> list[str]:
     raise invalid("stop", "must be a string or a list of strings")
 
 
+_INTS = {int}
+
+
 def _token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+    # NOTE: by exact type, not _is_int per id: JSON gives exact ints (and bool is a type of its
+    # own), and this loop over a long prompt was the costliest step of parsing a request
+    return isinstance(value, list) and set(map(type, value)) == _INTS
 
 
 def _prompts(body: dict) -> list[Prompt]:

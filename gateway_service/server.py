@@ -35,6 +35,7 @@ def uvicorn_config(cfg: GatewayConfig, gateway: Gateway, *, loop: str = "none") 
     import uvicorn
 
     from gateway_service.app import build_app
+    from gateway_service.http_protocol import GatewayHttpProtocol
 
     tls: dict[str, Any] = {}
     if cfg.tls_cert or cfg.tls_key:
@@ -44,13 +45,15 @@ def uvicorn_config(cfg: GatewayConfig, gateway: Gateway, *, loop: str = "none") 
         if cfg.tls_ca:
             tls |= {"ssl_ca_certs": cfg.tls_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
     # NOTE: httptools (llhttp, in C) parses a request in a few microseconds where h11 (pure
-    # Python) takes tens; access logs off: one line per request is the slowest part of a request.
+    # Python) takes tens (GatewayHttpProtocol is uvicorn's httptools protocol, a response's head
+    # written with its first body bytes); access logs off: one line per request is the slowest
+    # part of a request.
     return uvicorn.Config(
         build_app(gateway),
         host=cfg.host,
         port=cfg.port,
         loop=loop,
-        http="httptools",
+        http=GatewayHttpProtocol,
         lifespan="on",
         access_log=False,
         proxy_headers=False,  # NOTE: nothing here reads the client's address; one layer less per request

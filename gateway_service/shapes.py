@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from json.encoder import encode_basestring  # type: ignore[attr-defined]
 from typing import Any
 
 from gateway_service.errors import ApiError
 
 DONE = b"data: [DONE]\n\n"
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+_string = encode_basestring  # what _dumps makes of a str, without its type checks (per token)
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -53,10 +55,10 @@ class Shapes:
         finish = "null" if finish_reason is None else f'"{finish_reason}"'
         if self.kind == "chat":
             role = '"role":"assistant",' if first else ""
-            content = f'"content":{_dumps(text)}' if (text or first) else ""
+            content = f'"content":{_string(text)}' if (text or first) else ""
             body = f'{index},"delta":{{{role}{content}}},"logprobs":null,"finish_reason":{finish}'
         else:
-            body = f'{index},"text":{_dumps(text)},"logprobs":null,"finish_reason":{finish}'
+            body = f'{index},"text":{_string(text)},"logprobs":null,"finish_reason":{finish}'
         return (self._head + body + self._tail).encode()
 
     def usage_event(self, usage: dict[str, int]) -> bytes:

@@ -100,7 +100,7 @@ async def wait_idle(client: SluiceClient, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def reference(stack: Stack, prompt: str, max_tokens: int, **options) -> tuple[list[str], int]:
+async def reference(stack: Stack, prompt: str | list[int], max_tokens: int, **options) -> tuple[list[str], int]:
     """The text deltas and prompt tokens of the same request over gRPC (the echo engine's
     tokens depend only on the position, so both paths produce the same text)."""
     chunks = [c async for c in stack.grpc.generate(prompt, max_tokens=max_tokens, **options)]
@@ -188,9 +188,15 @@ async def test_async_openai_client_with_usage_n_prompt_lists_token_ids_and_sluic
     assert (many.usage.prompt_tokens, many.usage.completion_tokens) == (p1 + p2, 12)
     streamed = await client.completions.create(model=MODEL, prompt=[[1000, 1001, 1002]] * 2, max_tokens=4, stream=True)
     by_choice: dict[int, list[str]] = {}
+    texts: dict[int, str] = {}
     async for chunk in streamed:
-        by_choice.setdefault(chunk.choices[0].index, []).append(chunk.choices[0].finish_reason or "")
+        choice = chunk.choices[0]
+        by_choice.setdefault(choice.index, []).append(choice.finish_reason or "")
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
     assert sorted(by_choice) == [0, 1] and all(v[-1] == "length" for v in by_choice.values())
+    # the choices' events that leave in one write are whole events, each choice's text complete and in order
+    deltas, _ = await reference(stack, [1000, 1001, 1002], 4)
+    assert texts == {0: "".join(deltas), 1: "".join(deltas)}
     await wait_idle(stack.grpc)
 
 
@@ -392,6 +398,7 @@ def _error(resp: httpx.Response, status: int) -> dict:
         ("/completions", {"prompt": "x", "slo_class": "urgent"}, "slo_class"),
         ("/completions", {"prompt": "x", "user": "u" * 300}, "user"),
         ("/completions", {"prompt": [10**9]}, "prompt"),
+        ("/completions", {"prompt": [1, True]}, "prompt"),  # JSON true is no token id
         ("/chat/completions", {"messages": []}, "messages"),
         ("/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
