@@ -99,11 +99,17 @@ class VllmAlone:
         import torch
         from vllm import LLM
 
+        from sluice.contract.limits import DEFAULT_MAX_NUM_SEQS, token_budget
+
         torch.set_num_threads(1)
+        # NOTE: Sluice's batch limits (its scheduler's and its vLLM worker's), not the smaller
+        # token budget vLLM's CPU platform picks for LLM (4096): the same step sizes on both sides.
+        max_model_len = json.loads((Path(model_dir) / "config.json").read_text())["max_position_embeddings"]
         self.llm = LLM(
             model=model_dir, load_format="dummy", dtype=dtype, skip_tokenizer_init=True, block_size=BLOCK,
             gpu_memory_utilization=0.2, num_gpu_blocks_override=num_blocks + 1, enforce_eager=not compile_model,
-            seed=0, enable_prefix_caching=False,
+            seed=0, enable_prefix_caching=False, max_num_seqs=DEFAULT_MAX_NUM_SEQS,
+            max_num_batched_tokens=token_budget(None, max_model_len),
         )  # fmt: skip
 
     def params(self, job: Job) -> Any:
@@ -112,11 +118,12 @@ class VllmAlone:
         return SamplingParams(temperature=0.0, max_tokens=job.max_tokens, ignore_eos=True, detokenize=False)
 
     def offline(self, jobs: Sequence[Job]) -> dict[str, float]:
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": j.prompt} for j in jobs], [self.params(j) for j in jobs],
                                  use_tqdm=False)  # fmt: skip
         end = time.perf_counter()
-        return {"output_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / (end - start)}
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {"output_tok_s": tokens / (end - start), "cpu_ms_per_token": 1e3 * (time.process_time() - cpu) / tokens}
 
     def online(self, jobs: Sequence[Job]) -> dict[str, float]:
         engine = self.llm.llm_engine
@@ -184,12 +191,36 @@ class SluiceServe:
             self.proc.kill()
 
     def run(self, jobs: Sequence[Job], online: bool) -> dict[str, float]:
+        worker = self.worker_pid()
+        cpu = process_cpu_s(worker) if worker else 0.0
         if self.http:
             traces = asyncio.run(http_traces(self.base_url, None, jobs, online, f"{self.engine}-{time.time()}"))
         else:
             traces = asyncio.run(self.traces(jobs, online))
         stats = summarize(traces)
-        return stats if online else {"output_tok_s": stats["output_tok_s"]}
+        if online:
+            return stats
+        tokens = sum(len(t.tokens) for t in traces)
+        cpu_ms = 1e3 * (process_cpu_s(worker) - cpu) / tokens if worker else float("nan")
+        return {"output_tok_s": stats["output_tok_s"], "cpu_ms_per_token": cpu_ms}
+
+    def worker_pid(self) -> int | None:
+        """The worker process under `sluice serve` (its child, or a launcher's), on Linux."""
+        stack = [self.proc.pid]
+        while stack:
+            pid = stack.pop()
+            try:
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:
+                return None
+            for child in map(int, children):
+                try:
+                    if b"worker" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0"):
+                        return child
+                except OSError:
+                    continue
+                stack.append(child)
+        return None
 
     async def traces(self, jobs: Sequence[Job], online: bool) -> list[Trace]:
         import grpc
@@ -248,6 +279,12 @@ async def http_traces(base_url: str, model: str | None, jobs: Sequence[Job], onl
             return Trace(t0, [t0 + t for t in record.token_times])
 
         return list(await asyncio.gather(*(one(i, j) for i, j in enumerate(jobs))))
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -452,6 +489,13 @@ def report(results: list[dict[str, object]], names: Sequence[str]) -> None:
             ratios = [r[name][key] / r[reference][key] for r in rows]  # type: ignore[index]
             print(f"{mode} {key} {name}/{reference}: median {statistics.median(ratios):.3f} "
                   f"(rounds {', '.join(f'{x:.3f}' for x in ratios)}; {better} is better)")  # fmt: skip
+            if mode == "offline" and "cpu_ms_per_token" in rows[0][reference]:  # type: ignore[operator]
+                # NOTE: (a)'s whole process against (b)'s worker process alone: the CPU the one
+                # core running the model spends per token, which load on other cores leaves alone.
+                cpu = [r[reference]["cpu_ms_per_token"] / r[name]["cpu_ms_per_token"] for r in rows]  # type: ignore[index]
+                rounds = ", ".join(f"{x:.3f}" for x in cpu)
+                print(f"offline CPU per token {reference} process / {name} worker: median "
+                      f"{statistics.median(cpu):.3f} (rounds {rounds}; higher is better)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -172,6 +172,7 @@ class RunnerRequest:
     in_runner: bool = False
     table: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
+    blocks: list[int] | None = None  # the book's block list `table` was made from
 
 
 @dataclass(slots=True)
@@ -362,22 +363,29 @@ class VllmEngine:
         entries = self.book.entries
         for rid in plan.num_scheduled_tokens:
             state, entry = self.requests[rid], entries[rid]
-            table = [b + NULL_BLOCKS for b in entry.gpu]
+            blocks = entry.gpu
             if not state.in_runner:
+                table = [b + NULL_BLOCKS for b in blocks]
                 new_reqs.append(self._new_request(state, table, entry.num_computed_tokens))
-                state.in_runner, state.table = True, table
+                state.in_runner, state.table, state.blocks = True, table, blocks
                 continue
+            cached.req_ids.append(rid)
+            cached.new_token_ids.append([])
+            cached.num_computed_tokens.append(entry.num_computed_tokens)
+            cached.num_output_tokens.append(state.num_output_tokens)
+            # NOTE: the book replaces a request's block list whenever it changes (never edits it in
+            # place), so the list it held last step means an unchanged table: most decode steps.
+            if blocks is state.blocks:
+                cached.new_block_ids.append(None)
+                continue
+            table = [b + NULL_BLOCKS for b in blocks]
             known = len(state.table)
             resumed = table[:known] != state.table
             grown = table if resumed else table[known:]
-            cached.req_ids.append(rid)
-            cached.new_token_ids.append([])
             cached.new_block_ids.append((grown,) if grown or resumed else None)
-            cached.num_computed_tokens.append(entry.num_computed_tokens)
-            cached.num_output_tokens.append(state.num_output_tokens)
             if resumed:
                 cached.resumed_req_ids.add(rid)
-            state.table = table
+            state.table, state.blocks = table, blocks
         finished, self._to_finish = self._to_finish, set()
         scheduled = dict(plan.num_scheduled_tokens)
         return SchedulerOutput(
