@@ -281,8 +281,7 @@ class AccelGenPolicy(Policy):
             r.deferred.append(first_non_urgent)
         if not step.scheduled and r.deferred:
             self._ensure_progress(r)
-        for entry in r.deferred:
-            self.index.restore(entry)
+        self.index.restore_all(r.deferred)
         step.metadata["accelgen_budget"] = step.budget.max_tokens
         self._count_step(r)
 
@@ -404,6 +403,11 @@ class AccelGenPolicy(Policy):
 
     def _schedule(self, r: _Round, req: Request, n: int) -> bool:
         step = r.step
+        if req.status is _DECODING and req.num_computed_tokens >= req.prefill_len and step.schedule_if_covered(req, n):
+            # NOTE: a decode whose blocks cover its step (Algorithm 2 picks dozens a step): what
+            # the general path below does for it (no pricing, cover = computed + n), without it
+            self._scheduled(r, req, n)
+            return True
         waiting = req.status.is_waiting
         cm = self.ctx.cost_model
         priced = req.is_prefill and self.config.chunk and self.config.price_in_time and cm is not None
