@@ -22,17 +22,20 @@ A job's `JobState.filed` is its entry while it is in the list (None: not in it).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from scheduler_service.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from scheduler_service.core.budget import TokenBudget
     from scheduler_service.policies.mlfq import Rank
 
 Entry = tuple[int, float, int, Request]  # a rank's fields, then its job
+Covered = Callable[[Request, int], bool]  # StepBuilder.schedule_if_covered
 
 _KEPT, _SWAPPED = RequestStatus.PREEMPTED_KEPT, RequestStatus.PREEMPTED_SWAPPED
+_DECODING, _PREFILLING = RequestStatus.DECODING, RequestStatus.PREFILLING
 
 
 def _survivors(entries: list[Entry]) -> list[Entry]:
@@ -150,6 +153,30 @@ class RankedHolders:
         if paused is not None and (limit is None or paused <= limit):
             index.lo += 1
             return paused[3]
+        return None
+
+    def run_covered(self, limit: Rank | None, budget: TokenBudget, covered: Covered) -> Request | None:
+        """Pops the running jobs ranked before the best paused job and `limit` (None: any)
+        while the budget has seats and tokens, scheduling each with `covered(job, tokens to
+        compute)`; returns the first one it does not schedule (popped: the caller runs it the
+        general way), or None when the next job is not such a running one or the budget is
+        full. What `pop_before` and a covered step of each would do, one call for the lot."""
+        run, lo, hi = self._run, self._lo, self._hi
+        index = self._index
+        paused = self._paused[index.lo] if index.lo < index.hi else None
+        while lo < hi and budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
+            entry = run[lo]
+            if (paused is not None and entry > paused) or (limit is not None and entry > limit):
+                break
+            lo += 1
+            job = entry[3]
+            status = job.status
+            if (status is not _DECODING and status is not _PREFILLING) or not covered(
+                job, job.num_prompt_tokens + job.num_output_tokens - job.num_computed_tokens
+            ):
+                self._lo = lo
+                return job
+        self._lo = lo
         return None
 
     def popleft(self) -> Request:
