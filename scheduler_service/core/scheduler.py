@@ -459,8 +459,9 @@ class Scheduler:
         self._detach(req)
         if self._defer_salted and req.prefix_salt is None:
             # NOTE: its salted blocks can never be found now: parked, not hashed (prefix.py)
-            self.kv.park_blocks(rid, req.num_computed_tokens // self.kv.block_size)
-        self.kv.free(rid)
+            self.kv.free_parked(rid, req.num_computed_tokens // self.kv.block_size)
+        else:
+            self.kv.free(rid)
         self.plans.forget(rid)
         self.requests.pop(rid, None)
         req.status = status
