@@ -99,6 +99,7 @@ class BlockPool:
         "_num_parked",
         "_num_runs",
         "_ref",
+        "_reserved",
         "_reserves",
         "_runs",
         "block_size",
@@ -116,6 +117,7 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._ref = [0] * num_blocks
         self._reserves: dict[str, int] = {}
+        self._reserved = 0  # their sum (read by every availability test)
         # ref 0, registered, oldest first: block id -> None, or (a negative key) -> a run of parked
         # blocks, in the order they leave
         self._evictable: OrderedDict[int, list[int] | None] = OrderedDict()
@@ -147,7 +149,7 @@ class BlockPool:
 
     @property
     def num_reserved(self) -> int:
-        return sum(self._reserves.values())
+        return self._reserved
 
     def set_reserve(self, name: str, num_blocks: int) -> None:
         """Keeps `num_blocks` free blocks out of reach of allocations not naming `name`."""
@@ -157,10 +159,11 @@ class BlockPool:
             self._reserves.pop(name, None)
         else:
             self._reserves[name] = num_blocks
+        self._reserved = sum(self._reserves.values())
 
     def num_available(self, reserve: str | None = None) -> int:
         """Free blocks an allocation may take (all reserves but its own are off limits)."""
-        floor = self.num_reserved - (self._reserves.get(reserve, 0) if reserve else 0)
+        floor = self._reserved - (self._reserves.get(reserve, 0) if reserve else 0)
         return max(0, len(self._free) + len(self._evictable) + self._num_parked - self._num_runs - floor)
 
     def allocate(self, num_blocks: int, reserve: str | None = None) -> list[int] | None:

@@ -56,17 +56,23 @@ class RankDeque(deque[Request]):
             return self.popleft()
         return None
 
-    def run_covered(self, limit: Rank | None, budget: TokenBudget, covered: Covered) -> Request | None:
+    def run_covered(
+        self, limit: Rank | None, budget: TokenBudget, covered: Covered, resumed: Covered
+    ) -> Request | None:
         """RankedHolders.run_covered over the deque."""
         while self and budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
             job = self[0]
-            if job.status is not _DECODING and job.status is not _PREFILLING:
-                return None
             if limit is not None and job.policy_state.rank > limit:
                 return None
             self.popleft()
-            if not covered(job, job.num_prompt_tokens + job.num_output_tokens - job.num_computed_tokens):
-                return job
+            status = job.status
+            n = job.num_prompt_tokens + job.num_output_tokens - job.num_computed_tokens
+            if status is _DECODING or status is _PREFILLING:
+                if covered(job, n):
+                    continue
+            elif status is RequestStatus.PREEMPTED_KEPT and resumed(job, n):
+                continue
+            return job
         return None
 
 
@@ -379,7 +385,7 @@ class QueuePolicy(Policy):
         skipped: list[Request] = []
         budget, queues = step.budget, self.queues
         pop_before, run_kv_job, run_covered = kv_jobs.pop_before, self._run_kv_job, kv_jobs.run_covered
-        covered = step.schedule_if_covered
+        covered, resumed = step.schedule_if_covered, step.resume_if_covered
         waiting_open = admit_waiting
         head: Request | None = None
         head_rank: Rank | None = None  # a KV job runs first if it ranks at or before it (None: no head)
@@ -393,9 +399,9 @@ class QueuePolicy(Policy):
                 head = queues.peek()
                 head_rank = self.filed_rank(head) if head is not None else None
                 peeked = queues.changes
-            # NOTE: most of a step: the running jobs ranked ahead of every paused and waiting
-            # one, each scheduled in one call when its blocks cover its step
-            job = run_covered(head_rank, budget, covered)
+            # NOTE: most of a step: the KV holders ranked ahead of the waiting head, each
+            # scheduled (a kept one resumed too) in one call when its blocks cover its step
+            job = run_covered(head_rank, budget, covered, resumed)
             if job is None:
                 if budget.num_seqs >= budget.max_seqs or budget.num_tokens >= budget.max_tokens:
                     break
