@@ -361,9 +361,7 @@ class AccelGenPolicy(Policy):
                 # its first chunk passes), `_fix_budget` and `_schedule` (the memo) answer,
                 # without the calls.
                 r.slo_s = min(r.slo_s, self.rt.iteration_slo(req))
-                if req.num_prompt_tokens + req.num_output_tokens - req.num_computed_tokens > 0 < (
-                    step.budget.max_tokens - step.budget.num_tokens
-                ):
+                if req.num_tokens_to_compute > 0 and step.budget.remaining_tokens > 0:
                     self.stats["price_in_time_cuts"] += 1
                 return False
         if not self._admissible(r, req):
