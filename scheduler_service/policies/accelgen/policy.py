@@ -449,8 +449,19 @@ class AccelGenPolicy(Policy):
         """SLO_min of the batch: the SLO that fixed the budget, or a running decode's tighter
         TBT SLO (every running decode belongs to the batch: it is urgent or it is chosen)."""
         if r.decode_slo_s is None:
-            slos = [self.rt.iteration_slo(q) for q in r.step.running.values() if not q.is_prefill]
-            r.decode_slo_s = min(slos, default=float("inf"))
+            # NOTE: `RemainingTime.iteration_slo` of every running decode, inlined (256 a step)
+            ttft, tbt = self.rt.default_ttft_s, self.rt.default_tbt_s
+            best = float("inf")
+            for q in r.step.running.values():
+                if q.num_computed_tokens >= q.prefill_len:
+                    slo = q.slo
+                    if q.num_output_tokens == 0:
+                        v = slo.ttft_s if slo.ttft_s is not None else ttft
+                    else:
+                        v = slo.tbt_s if slo.tbt_s is not None else tbt
+                    if v < best:
+                        best = v
+            r.decode_slo_s = best
         return min(r.slo_s, r.decode_slo_s)
 
     def _scheduled(self, r: _Round, req: Request, n: int) -> None:
