@@ -9,11 +9,14 @@ indexes, length-ordered queues and EWT estimates are all exercised; nobody finis
 the measurement (max_tokens 6,000, no EOS), so every measured step sees the full queue. The
 pool fits the running requests even when each reserves prompt + max_tokens (orca, sls),
 never the whole queue. Policies are measured in turn; `--rounds` repeats the whole sequence
-(vllm included) and reports the median of each policy's per-round ratio.
+(vllm included) and reports the median of each policy's per-round ratio. With `--interleave`
+every policy is filled first and their steps then alternate (step k of each, vllm's among
+them, one after another), so a busy minute of a shared machine lands on all of them alike.
 
     python benchmarks/schedule_overhead.py --steps 300
     python benchmarks/schedule_overhead.py --steps 100 --sizes 256:10000,1000:100000
     python benchmarks/schedule_overhead.py --policy vllm --policy accelgen:batch=false
+    python benchmarks/schedule_overhead.py --steps 200 --clock cpu --rounds 3 --interleave
 """
 
 from __future__ import annotations
@@ -128,6 +131,30 @@ def measure(
     }
 
 
+def measure_interleaved(
+    specs: list[str], steps: int, requests: list[TraceRequest], cost_model: CostModel, running: int = RUNNING
+) -> dict[str, dict[str, float]]:
+    """`measure` of every policy, their steps alternating: step k of each in turn."""
+    scheds = {p: build(p, requests, cost_model, running) for p in specs}
+    starts = {p: fill(sched, running) for p, sched in scheds.items()}
+    times: dict[str, list[float]] = {p: [] for p in specs}
+    for k in range(steps):
+        for p, sched in scheds.items():
+            times[p].append(advance(sched, starts[p] + k * STEP_S)[0])
+    out = {}
+    for p, sched in scheds.items():
+        a = np.array(times[p]) * 1e3
+        out[p] = {
+            "mean": float(a.mean()),
+            "p50": float(np.percentile(a, 50)),
+            "p99": float(np.percentile(a, 99)),
+            "running": len(sched.running),
+            "paused": len(sched.kept) + len(sched.swapped),
+            "waiting": len(sched.waiting),
+        }
+    return out
+
+
 def workload_of(size: int, cost_model: CostModel) -> list[TraceRequest]:
     trace = load_trace("sharegpt", num_requests=min(size, 30_731)).requests
     requests = [trace[i % len(trace)] for i in range(size)]
@@ -140,6 +167,9 @@ def main() -> None:
     parser.add_argument("--policy", action="append", help="policy spec; repeat (default: every policy)")
     parser.add_argument("--sizes", default="256:10000", help="running:waiting shapes, comma-separated")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every policy and vllm; median ratio")
+    parser.add_argument(
+        "--interleave", action="store_true", help="fill every policy, then alternate their steps (shared machines)"
+    )
     parser.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -158,11 +188,17 @@ def main() -> None:
         results: dict[str, list[dict[str, float]]] = {p: [] for p in specs}
         with tqdm(total=args.rounds * len(specs), desc=f"{running}:{waiting}", leave=False) as bar:
             for _ in range(args.rounds):
+                if args.interleave:
+                    for policy, r in measure_interleaved(specs, args.steps, requests, cost_model, running).items():
+                        results[policy].append(r)
+                    bar.update(len(specs))
+                    continue
                 for policy in specs:
                     results[policy].append(measure(policy, args.steps, requests, cost_model, running))
                     bar.update(1)
         tqdm.write(
             f"\n{running} running, {waiting} waiting, {args.steps} steps, {args.rounds} round(s), {args.clock} time"
+            + (", steps interleaved" if args.interleave else "")
         )
         rows = []
         for policy in specs:

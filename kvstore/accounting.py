@@ -34,6 +34,13 @@ and the prefix others share last:
     A ends: 42 -> free list; 3, 17 keep their refs from B; B ends: 9, 8 -> free; 3, 17 -> LRU
     free blocks = free list (never registered) + LRU (registered, ref 0): both allocatable
 
+A request that ends parks its computed full blocks nobody can ever name (their hashes would be
+unique to it) in the LRU without hashing them, so that they age there exactly as registered
+blocks would (the eviction order the others' cached blocks see is unchanged). Parked blocks that
+leave a table together wait as one LRU entry, a run, and an allocation takes them off as a
+slice: a trace without shared prefixes, where every ended request's blocks are parked, costs
+O(1) LRU operations per request instead of a few per block.
+
 Every operation is O(blocks moved); invariants (reference counts match the tables, the free
 list, the LRU and the hash map agree, no leak) are checked by `check_invariants` in tests.
 """
@@ -89,8 +96,12 @@ class BlockPool:
         "_evictable",
         "_free",
         "_hash_of",
+        "_num_parked",
+        "_num_runs",
         "_ref",
+        "_reserved",
         "_reserves",
+        "_runs",
         "block_size",
         "by_hash",
         "num_blocks",
@@ -106,15 +117,21 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._ref = [0] * num_blocks
         self._reserves: dict[str, int] = {}
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, registered; oldest first
+        self._reserved = 0  # their sum (read by every availability test)
+        # ref 0, registered, oldest first: block id -> None, or (a negative key) -> a run of parked
+        # blocks, in the order they leave
+        self._evictable: OrderedDict[int, list[int] | None] = OrderedDict()
         self._hash_of: dict[int, int | None] = {}  # registered block -> its prefix hash (None: parked)
+        self._runs = 0  # runs made so far (their keys are -1, -2, ...)
+        self._num_parked = 0  # blocks in the LRU's runs (not in `_hash_of`)
+        self._num_runs = 0  # runs in the LRU
         self.by_hash: dict[int, int] = {}  # prefix hash -> the block holding its KV
         self.num_evictions = 0  # cached blocks forgotten so far (a lookup older than a change is stale)
 
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take: never registered, plus registered ones nobody uses."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + self.num_evictable
 
     @property
     def num_used(self) -> int:
@@ -122,16 +139,17 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        """Registered blocks (in use or waiting in the LRU)."""
-        return len(self._hash_of)
+        """Registered (or parked) blocks, in use or waiting in the LRU."""
+        return len(self._hash_of) + self._num_parked
 
     @property
     def num_evictable(self) -> int:
-        return len(self._evictable)
+        """Blocks in the LRU (a run of parked blocks is one entry holding them all)."""
+        return len(self._evictable) + self._num_parked - self._num_runs
 
     @property
     def num_reserved(self) -> int:
-        return sum(self._reserves.values())
+        return self._reserved
 
     def set_reserve(self, name: str, num_blocks: int) -> None:
         """Keeps `num_blocks` free blocks out of reach of allocations not naming `name`."""
@@ -141,11 +159,12 @@ class BlockPool:
             self._reserves.pop(name, None)
         else:
             self._reserves[name] = num_blocks
+        self._reserved = sum(self._reserves.values())
 
     def num_available(self, reserve: str | None = None) -> int:
         """Free blocks an allocation may take (all reserves but its own are off limits)."""
-        floor = self.num_reserved - (self._reserves.get(reserve, 0) if reserve else 0)
-        return max(0, len(self._free) + len(self._evictable) - floor)
+        floor = self._reserved - (self._reserves.get(reserve, 0) if reserve else 0)
+        return max(0, len(self._free) + len(self._evictable) + self._num_parked - self._num_runs - floor)
 
     def allocate(self, num_blocks: int, reserve: str | None = None) -> list[int] | None:
         """Fresh blocks (reference 1): the free stack first, then the LRU's oldest, whose
@@ -171,13 +190,27 @@ class BlockPool:
         per allocation: with prefix caching on, every block a finished request freed comes back
         through here)."""
         evictable, hash_of, by_hash = self._evictable, self._hash_of, self.by_hash
-        for _ in range(n):
-            block, _ = evictable.popitem(last=False)
-            h = hash_of.pop(block)
-            if h is not None:
-                del by_hash[h]
-            taken.append(block)
         self.num_evictions += n
+        while n:
+            block, run = evictable.popitem(last=False)
+            if run is None:
+                h = hash_of.pop(block)
+                if h is not None:
+                    del by_hash[h]
+                taken.append(block)
+                n -= 1
+            elif len(run) <= n:
+                taken += run
+                n -= len(run)
+                self._num_parked -= len(run)
+                self._num_runs -= 1
+            else:  # NOTE: the run's oldest blocks leave; the rest stays the LRU's oldest entry
+                taken += run[:n]
+                del run[:n]
+                self._num_parked -= n
+                evictable[block] = run
+                evictable.move_to_end(block, last=False)
+                n = 0
 
     def share(self, block_ids: Iterable[int]) -> None:
         """Takes one more reference on registered blocks (a prefix hit); blocks nobody used
@@ -229,6 +262,27 @@ class BlockPool:
             if b not in hash_of:
                 hash_of[b] = None
 
+    def free_parking(self, table: list[int], start: int, stop: int) -> None:
+        """`park_all(table[start:stop])`, then `free(reversed(table))`: the blocks of an ended
+        request's table, its full unregistered ones parked. The parked ones, which reach the
+        LRU one after another, wait there as one run (same order, same ages)."""
+        run = table[start:stop]
+        ref = self._ref
+        # NOTE: an unregistered block has one owner (only registered blocks are shared)
+        if not run or not self._hash_of.keys().isdisjoint(run) or any(ref[b] != 1 for b in run):
+            self.park_all(run)
+            self.free(reversed(table))
+            return
+        self.free(table[: stop - 1 : -1])
+        run.reverse()
+        for b in run:
+            ref[b] = 0
+        self._runs += 1
+        self._evictable[-self._runs] = run
+        self._num_runs += 1
+        self._num_parked += len(run)
+        self.free(table[start - 1 :: -1] if start else ())
+
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """Blocks of the longest run of `hashes`, from the first, that the cache holds."""
         hits: list[int] = []
@@ -247,11 +301,17 @@ class BlockPool:
 
     def clear_cache(self) -> None:
         """Forgets every hash (the worker's KV is no longer trusted); LRU blocks become plain free."""
-        self._free.extend(reversed(self._evictable))
-        self.num_evictions += len(self._hash_of) + 1
+        free = self._free
+        for block, run in reversed(self._evictable.items()):
+            if run is None:
+                free.append(block)
+            else:
+                free.extend(reversed(run))
+        self.num_evictions += len(self._hash_of) + self._num_parked + 1
         self._evictable.clear()
         self._hash_of.clear()
         self.by_hash.clear()
+        self._num_parked = self._num_runs = 0
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
@@ -260,17 +320,25 @@ class BlockPool:
         return self._ref[block_id] > 0
 
     def is_registered(self, block_id: int) -> bool:
+        """Named in the prefix cache, or parked (one block of an LRU run: never in a table)."""
         return block_id in self._hash_of
 
     def check_invariants(self) -> None:
-        free, evictable, ref = self._free, self._evictable, self._ref
-        if len(set(free)) != len(free):
-            raise KVAllocationError("a block is on the free list twice")
-        if any(ref[b] for b in free) or any(ref[b] for b in evictable):
+        free, ref = self._free, self._ref
+        singles = [b for b, run in self._evictable.items() if run is None]
+        runs = [run for run in self._evictable.values() if run is not None]
+        parked = [b for run in runs for b in run]
+        if len(set(free)) != len(free) or len(set(parked)) != len(parked) or set(parked) & set(free):
+            raise KVAllocationError("a block is on the free list or in a parked run twice")
+        if any(ref[b] for b in free) or any(ref[b] for b in singles) or any(ref[b] for b in parked):
             raise KVAllocationError("a block is both free and in use")
-        if any(b in self._hash_of for b in free) or any(b not in self._hash_of for b in evictable):
+        if any(b in self._hash_of for b in free) or any(b not in self._hash_of for b in singles):
             raise KVAllocationError("the free list holds a registered block, or the LRU an unregistered one")
-        if len(free) + len(evictable) + sum(1 for r in ref if r > 0) != self.num_blocks:
+        if any(b in self._hash_of for b in parked) or not all(runs):
+            raise KVAllocationError("a parked run holds a registered block, or none")
+        if len(runs) != self._num_runs or len(parked) != self._num_parked:
+            raise KVAllocationError("the parked runs' counts disagree with the runs")
+        if len(free) + len(singles) + len(parked) + sum(1 for r in ref if r > 0) != self.num_blocks:
             raise KVAllocationError("free + cached + in use != total")
         named = {b: h for b, h in self._hash_of.items() if h is not None}
         if any(self.by_hash.get(h) != b for b, h in named.items()) or len(self.by_hash) != len(named):
@@ -385,6 +453,22 @@ class KVCacheManager:
         if not self.prefix_caching or table is None:
             return
         self.gpu.park_all(table[self._num_registered.get(request_id, 0) : min(num_full_blocks, len(table))])
+
+    def free_parked(self, request_id: str, num_full_blocks: int) -> int:
+        """`park_blocks`, then `free`, in one: the parked blocks wait in the LRU as one run
+        (`BlockPool.free_parking`)."""
+        table = self.gpu_tables.get(request_id)
+        if not self.prefix_caching or not table:
+            return self.free(request_id)
+        start = self._num_registered.pop(request_id, 0)
+        del self.gpu_tables[request_id]
+        self.gpu.free_parking(table, start, max(start, min(num_full_blocks, len(table))))
+        n = len(table)
+        cpu = self.cpu_tables.pop(request_id, None)
+        if cpu:
+            self.cpu.free(cpu)
+            n += len(cpu)
+        return n
 
     def num_registered(self, request_id: str) -> int:
         """Leading blocks of the request's table already offered to the prefix cache."""

@@ -365,6 +365,16 @@ class Scheduler:
         self, req: Request, mode: PreemptionMode, reason: PreemptionReason, now: float, *, to_front: bool
     ) -> None:
         rid = req.request_id
+        if mode is PreemptionMode.KEEP and self.running.pop(rid, None) is not None:
+            # NOTE: a pause, dozens a step under the queue policies: the running job leaves the
+            # running set for the kept one (what `_detach` finds first, and the KEEP branch below)
+            req.status = RequestStatus.PREEMPTED_KEPT
+            self.kept[rid] = req
+            req.queue_enter_time = now
+            req.num_preemptions += 1
+            self.metrics.on_preempt(req, mode, reason, now)
+            self.policy.on_preempted(req, now)
+            return
         self._detach(req)
         if mode is PreemptionMode.RECOMPUTE:
             if self.overlap:
@@ -390,7 +400,8 @@ class Scheduler:
         self.policy.on_preempted(req, now)
 
     def resume(self, req: Request, now: float, *, table_replaced: bool) -> None:
-        self._detach(req)
+        if self.kept.pop(req.request_id, None) is None:  # NOTE: a kept job: `_detach`'s first find
+            self._detach(req)
         self.running[req.request_id] = req
         req.status = RequestStatus.PREFILLING if req.is_prefill else RequestStatus.DECODING
         req.cache_due = 0
@@ -448,8 +459,9 @@ class Scheduler:
         self._detach(req)
         if self._defer_salted and req.prefix_salt is None:
             # NOTE: its salted blocks can never be found now: parked, not hashed (prefix.py)
-            self.kv.park_blocks(rid, req.num_computed_tokens // self.kv.block_size)
-        self.kv.free(rid)
+            self.kv.free_parked(rid, req.num_computed_tokens // self.kv.block_size)
+        else:
+            self.kv.free(rid)
         self.plans.forget(rid)
         self.requests.pop(rid, None)
         req.status = status

@@ -372,6 +372,32 @@ class StepBuilder:
             raise ValueError(f"{request!r} is not kept")
         self._sched.resume(request, self.now, table_replaced=False)
 
+    def resume_if_covered(self, request: Request, num_tokens: int) -> bool:
+        """`resume`, then `schedule(request, num_tokens)`, for a kept request whose blocks
+        already cover the step, when the budget has room (`schedule_if_covered`'s test). False:
+        nothing changed (queue policies resume dozens of such jobs a step)."""
+        budget, rid = self.budget, request.request_id
+        table = self._tables.get(rid)
+        target = request.num_computed_tokens + num_tokens
+        if self._max_mode:
+            target = max(target, request.num_prompt_tokens + request.max_tokens)  # required_tokens(MAX)
+        if not (
+            (self._block_mode or self._max_mode)
+            and request.status is RequestStatus.PREEMPTED_KEPT
+            and 0 < num_tokens <= request.num_prompt_tokens + request.num_output_tokens - request.num_computed_tokens
+            and rid not in self.scheduled
+            and table is not None
+            and len(table) * self._block_size >= target
+            and budget.num_tokens + num_tokens <= budget.max_tokens
+            and budget.num_seqs < budget.max_seqs
+        ):
+            return False
+        self._sched.resume(request, self.now, table_replaced=False)
+        budget.num_tokens += num_tokens
+        budget.num_seqs += 1
+        self.scheduled[rid] = num_tokens
+        return True
+
     def return_to_pool(self, request: Request) -> None:
         """Frees the request's KV and hands it back to the router (SCLS slices end this way);
         its generated tokens are kept and prefilled again wherever it runs next."""

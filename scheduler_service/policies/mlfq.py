@@ -32,17 +32,19 @@ from dataclasses import dataclass
 from enum import StrEnum
 from operator import attrgetter
 
+from scheduler_service.core.budget import TokenBudget
 from scheduler_service.core.policy import Policy, PolicyConfig, PolicyContext
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
-from scheduler_service.policies.paused_index import PausedIndex, RankedHolders
+from scheduler_service.policies.paused_index import Covered, PausedIndex, RankedHolders
 
 # NOTE: a waiting head whose prompt does not fit the step's leftover tokens is set aside;
 # after this many the walk stops looking at waiting jobs for this step (bounds the pops).
 MAX_SKIPPED_WAITING = 32
 
 Rank = tuple[int, float, int]
+_DECODING, _PREFILLING = RequestStatus.DECODING, RequestStatus.PREFILLING
 
 
 class RankDeque(deque[Request]):
@@ -52,6 +54,25 @@ class RankDeque(deque[Request]):
         """The best job left if it ranks at or before `limit` (None: any), else None."""
         if self and (limit is None or self[0].policy_state.rank <= limit):
             return self.popleft()
+        return None
+
+    def run_covered(
+        self, limit: Rank | None, budget: TokenBudget, covered: Covered, resumed: Covered
+    ) -> Request | None:
+        """RankedHolders.run_covered over the deque."""
+        while self and budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
+            job = self[0]
+            if limit is not None and job.policy_state.rank > limit:
+                return None
+            self.popleft()
+            status = job.status
+            n = job.num_prompt_tokens + job.num_output_tokens - job.num_computed_tokens
+            if status is _DECODING or status is _PREFILLING:
+                if covered(job, n):
+                    continue
+            elif status is RequestStatus.PREEMPTED_KEPT and resumed(job, n):
+                continue
+            return job
         return None
 
 
@@ -186,7 +207,7 @@ class QueuePolicy(Policy):
         if request.status is RequestStatus.PREEMPTED_RECOMPUTE:
             self.requeue(request)
         if self.index_paused:
-            self.paused.touch(request)
+            self.paused.pending.append(request)  # PausedIndex.touch (dozens of pauses a step)
 
     def on_finished(self, request: Request, now: float) -> None:
         if isinstance(request.policy_state, JobState):
@@ -363,7 +384,8 @@ class QueuePolicy(Policy):
         self.admitted = []
         skipped: list[Request] = []
         budget, queues = step.budget, self.queues
-        pop_before, run_kv_job = kv_jobs.pop_before, self._run_kv_job
+        pop_before, run_kv_job, run_covered = kv_jobs.pop_before, self._run_kv_job, kv_jobs.run_covered
+        covered, resumed = step.schedule_if_covered, step.resume_if_covered
         waiting_open = admit_waiting
         head: Request | None = None
         head_rank: Rank | None = None  # a KV job runs first if it ranks at or before it (None: no head)
@@ -377,7 +399,13 @@ class QueuePolicy(Policy):
                 head = queues.peek()
                 head_rank = self.filed_rank(head) if head is not None else None
                 peeked = queues.changes
-            job = pop_before(head_rank)
+            # NOTE: most of a step: the KV holders ranked ahead of the waiting head, each
+            # scheduled (a kept one resumed too) in one call when its blocks cover its step
+            job = run_covered(head_rank, budget, covered, resumed)
+            if job is None:
+                if budget.num_seqs >= budget.max_seqs or budget.num_tokens >= budget.max_tokens:
+                    break
+                job = pop_before(head_rank)
             if job is not None:
                 run_kv_job(step, job, kv_jobs)
                 continue
@@ -405,11 +433,13 @@ class QueuePolicy(Policy):
             if step.schedule_if_covered(req, n) or step.schedule(req, n):
                 return  # NOTE: the hot path: a running job whose blocks are there
         elif status is RequestStatus.PREEMPTED_KEPT:
+            # NOTE: the common resume (FastServe resumes dozens a step): its blocks cover the
+            # step, so there is nothing to allocate or evict (the general path below would find
+            # no block needed and do just this).
+            if step.resume_if_covered(req, n):
+                return
             table = kv.gpu_tables.get(req.request_id)
             if table and len(table) * kv.block_size >= req.num_computed_tokens + n:
-                # NOTE: the common resume (FastServe resumes dozens a step): its blocks cover
-                # the step, so there is nothing to allocate or evict (the general path below
-                # would find no block needed and do just this).
                 if step.budget.can_fit(n):
                     step.resume(req)
                     if not step.schedule_if_covered(req, n):

@@ -22,17 +22,20 @@ A job's `JobState.filed` is its entry while it is in the list (None: not in it).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from scheduler_service.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from scheduler_service.core.budget import TokenBudget
     from scheduler_service.policies.mlfq import Rank
 
 Entry = tuple[int, float, int, Request]  # a rank's fields, then its job
+Covered = Callable[[Request, int], bool]  # StepBuilder.schedule_if_covered, .resume_if_covered
 
 _KEPT, _SWAPPED = RequestStatus.PREEMPTED_KEPT, RequestStatus.PREEMPTED_SWAPPED
+_DECODING, _PREFILLING = RequestStatus.DECODING, RequestStatus.PREFILLING
 
 
 def _survivors(entries: list[Entry]) -> list[Entry]:
@@ -150,6 +153,45 @@ class RankedHolders:
         if paused is not None and (limit is None or paused <= limit):
             index.lo += 1
             return paused[3]
+        return None
+
+    def run_covered(
+        self, limit: Rank | None, budget: TokenBudget, covered: Covered, resumed: Covered
+    ) -> Request | None:
+        """Pops jobs in rank order while they rank at or before `limit` (None: any) and the
+        budget has seats and tokens: a running one is scheduled with `covered(job, tokens to
+        compute)`, a kept one resumed and scheduled with `resumed(job, tokens)`; returns the
+        first job neither does (popped: the caller runs it the general way), or None when the
+        next job ranks after `limit`, none is left or the budget is full. What `pop_before`
+        and the covered step of each would do, one call for the lot (most of a step)."""
+        run, lo, hi = self._run, self._lo, self._hi
+        index = self._index
+        paused, plo, phi = self._paused, index.lo, index.hi
+        while budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
+            # NOTE: an entry against a rank compares its three fields first: never equal
+            if lo < hi and (plo >= phi or run[lo] < paused[plo]):
+                entry = run[lo]
+                if limit is not None and entry > limit:
+                    break
+                lo += 1
+            elif plo < phi:
+                entry = paused[plo]
+                if limit is not None and entry > limit:
+                    break
+                plo += 1
+            else:
+                break
+            job = entry[3]
+            status = job.status
+            n = job.num_prompt_tokens + job.num_output_tokens - job.num_computed_tokens
+            if status is _DECODING or status is _PREFILLING:
+                if covered(job, n):
+                    continue
+            elif status is _KEPT and resumed(job, n):
+                continue
+            self._lo, index.lo = lo, plo
+            return job
+        self._lo, index.lo = lo, plo
         return None
 
     def popleft(self) -> Request:

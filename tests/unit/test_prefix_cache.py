@@ -159,6 +159,52 @@ def test_random_sequences_with_prefix_caching_keep_every_invariant(ops: list[tup
     kv.assert_empty()
 
 
+END_OPS = st.lists(
+    st.tuples(st.sampled_from(["admit", "grow", "end", "free"]), st.integers(0, 5), st.integers(0, 28)),
+    max_size=80,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(END_OPS)
+def test_parking_an_ended_requests_blocks_as_a_run_leaves_the_pool_as_parking_each_block(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    """`free_parked` (the run) against `park_blocks` + `free` (a block at a time): every
+    allocation gets the same block ids, evictions and LRU counts agree, and the registered
+    blocks of other requests are found again (or evicted) alike."""
+    runs = KVCacheManager(num_gpu_blocks=16, num_cpu_blocks=0, block_size=4, prefix_caching=True)
+    each = KVCacheManager(num_gpu_blocks=16, num_cpu_blocks=0, block_size=4, prefix_caching=True)
+    for op, who, n in ops:
+        rid = f"r{who}"
+        hashes = [who % 2, 10 + who % 3, 20 + who, 30 + n % 2]  # the leading blocks others share
+        for kv in (runs, each):
+            if op == "admit" and rid not in kv.gpu_tables:
+                hit = kv.lookup_prefix(hashes[: max(0, n - 1) // 4])
+                got = kv.allocate(rid, max(n, 1), prefix=hit)
+                if got is not None:
+                    kv.cache_blocks(rid, hashes, min(n // 4, who % 3))  # some full blocks not registered
+            elif op == "grow" and rid in kv.gpu_tables:
+                got = kv.allocate(rid, kv.capacity(rid) + n)
+            elif op == "end" and kv is runs:
+                kv.free_parked(rid, n // 4)
+            elif op == "end":
+                kv.park_blocks(rid, n // 4)
+                kv.free(rid)
+            elif op == "free":
+                kv.free(rid)
+            kv.check_invariants()
+        assert runs.gpu_tables == each.gpu_tables
+        assert (runs.gpu.num_evictions, runs.gpu.num_free, runs.gpu.num_evictable, runs.gpu.num_cached) == (
+            each.gpu.num_evictions,
+            each.gpu.num_free,
+            each.gpu.num_evictable,
+            each.gpu.num_cached,
+        )
+        assert all(runs.lookup_prefix(h) == each.lookup_prefix(h) for h in ([0, 10, 20], [1, 11, 21], [0, 12, 22]))
+    assert runs.gpu.allocate(runs.gpu.num_available()) == each.gpu.allocate(each.gpu.num_available())
+
+
 def request(rid: str, prompt: int, **kw: object) -> Request:
     return Request(rid, arrival_time=0.0, num_prompt_tokens=prompt, **kw)  # type: ignore[arg-type]
 

@@ -81,6 +81,7 @@ from sluice.contract.plan import StepPlan, StepResult
 
 Entry = tuple[float, int, str]
 _DECODING = RequestStatus.DECODING
+_PREFILLING = RequestStatus.PREFILLING
 MAX_ADMISSION_MISSES = 4  # waiting requests that failed to get KV before admission stops this step
 
 
@@ -155,6 +156,8 @@ class AccelGenPolicy(Policy):
         # step id -> (batch, chunks) of a committed step whose answer has not come
         self._to_return: dict[int, tuple[list[Request], list[int]]] = {}
         self._mode = preemption_mode(config)
+        # a prompt chunk is priced in time (`_schedule`)
+        self._priced = config.chunk and config.price_in_time and ctx.cost_model is not None
         self.num_alg2_placements = 0  # requests Algorithm 2's Euclidean rule added (reports)
         # counters for reports (`stats_report`): whether each of the paper's mechanisms fired
         self.stats: Counter[str] = Counter()
@@ -278,8 +281,7 @@ class AccelGenPolicy(Policy):
             r.deferred.append(first_non_urgent)
         if not step.scheduled and r.deferred:
             self._ensure_progress(r)
-        for entry in r.deferred:
-            self.index.restore(entry)
+        self.index.restore_all(r.deferred)
         step.metadata["accelgen_budget"] = step.budget.max_tokens
         self._count_step(r)
 
@@ -307,9 +309,6 @@ class AccelGenPolicy(Policy):
                 del r.deferred[i]
                 return
 
-    def _is_urgent(self, state: AccelGenState, now: float) -> bool:
-        return state.deadline - now <= self.rt.t_max_s
-
     @staticmethod
     def _has_room(r: _Round) -> bool:
         return not r.budget_set or r.step.budget.remaining_tokens > 0
@@ -317,32 +316,54 @@ class AccelGenPolicy(Policy):
     def _take_urgent(self, r: _Round, include_late: bool) -> Entry | None:
         """Algorithm 1, lines 1-4 (all of the queue when `batch` is off): returns the first
         entry left for Algorithm 2, or None."""
-        in_phase_one = not self.config.batch or self.config.order
-        while r.scanned < self.config.max_scan:
-            entry = self.index.pop(r.allow_waiting, include_late)
+        config, index, now = self.config, self.index, r.now
+        in_phase_one = not config.batch or config.order
+        urgent_only = config.batch
+        demote_missed, max_scan = config.demote_missed, config.max_scan
+        states, deferred, budget, take = index.states, r.deferred, r.step.budget, self._take
+        t_max = self.rt.t_max_s  # NOTE: moves only with a step's answer, never inside a round
+        while r.scanned < max_scan:
+            entry = index.pop(r.allow_waiting, include_late)
             if entry is None:
                 return None
             r.scanned += 1
-            state = self.index.states[entry[2]]
-            late = not state.holds_kv and not state.late and r.now > state.slo_end
-            if self.config.demote_missed and late:
+            state = states[entry[2]]
+            if demote_missed and not state.holds_kv and not state.late and now > state.slo_end:
                 self.stats["demoted_missed"] += 1
-                self.index.demote(entry)
+                index.demote(entry)
                 continue
-            if not in_phase_one or (self.config.batch and not self._is_urgent(state, r.now)):
+            if not in_phase_one or (urgent_only and state.deadline - now > t_max):  # not urgent: T_r > T_max
                 return entry
-            if not self._take(r, state.request):
-                r.deferred.append(entry)
-            if r.budget_set and r.step.budget.remaining_tokens <= 0:
+            if not take(r, state.request):
+                deferred.append(entry)
+            if r.budget_set and budget.max_tokens <= budget.num_tokens:
                 return None
         return None
 
     def _take(self, r: _Round, req: Request) -> bool:
         """Adds `req` with as many tokens as the budget leaves (a prompt is cut there)."""
-        hot = req.status is _DECODING and r.budget_set and self.config.order and req.policy_state.jct is None
-        if hot and r.step.schedule(req, 1):  # NOTE: the hot path, a returned TG task (every decode, every step)
-            self._batch.append(req)
-            return True
+        status = req.status
+        if r.budget_set and self.config.order:
+            step = r.step
+            if status is _DECODING and req.policy_state.jct is None:
+                # NOTE: the hot path, a returned TG task (every decode, every step)
+                if step.schedule_if_covered(req, 1) or step.schedule(req, 1):
+                    self._batch.append(req)
+                    return True
+            elif (
+                status is _PREFILLING
+                and self._priced
+                and 0 < r.no_chunk_from <= req.num_computed_tokens < req.prefill_len
+                and r.memo_preempted == step.num_preempted
+            ):
+                # NOTE: most of a step at 256 running: a running prompt past the prefix that
+                # already got no chunk this round. What `_admissible` (a running prompt past
+                # its first chunk passes), `_fix_budget` and `_schedule` (the memo) answer,
+                # without the calls.
+                r.slo_s = min(r.slo_s, self.rt.iteration_slo(req))
+                if req.num_tokens_to_compute > 0 and step.budget.remaining_tokens > 0:
+                    self.stats["price_in_time_cuts"] += 1
+                return False
         if not self._admissible(r, req):
             return False
         self._fix_budget(r, self.rt.iteration_slo(req))
@@ -380,6 +401,11 @@ class AccelGenPolicy(Policy):
 
     def _schedule(self, r: _Round, req: Request, n: int) -> bool:
         step = r.step
+        if req.status is _DECODING and req.num_computed_tokens >= req.prefill_len and step.schedule_if_covered(req, n):
+            # NOTE: a decode whose blocks cover its step (Algorithm 2 picks dozens a step): what
+            # the general path below does for it (no pricing, cover = computed + n), without it
+            self._scheduled(r, req, n)
+            return True
         waiting = req.status.is_waiting
         cm = self.ctx.cost_model
         priced = req.is_prefill and self.config.chunk and self.config.price_in_time and cm is not None
@@ -423,8 +449,19 @@ class AccelGenPolicy(Policy):
         """SLO_min of the batch: the SLO that fixed the budget, or a running decode's tighter
         TBT SLO (every running decode belongs to the batch: it is urgent or it is chosen)."""
         if r.decode_slo_s is None:
-            slos = [self.rt.iteration_slo(q) for q in r.step.running.values() if not q.is_prefill]
-            r.decode_slo_s = min(slos, default=float("inf"))
+            # NOTE: `RemainingTime.iteration_slo` of every running decode, inlined (256 a step)
+            ttft, tbt = self.rt.default_ttft_s, self.rt.default_tbt_s
+            best = float("inf")
+            for q in r.step.running.values():
+                if q.num_computed_tokens >= q.prefill_len:
+                    slo = q.slo
+                    if q.num_output_tokens == 0:
+                        v = slo.ttft_s if slo.ttft_s is not None else ttft
+                    else:
+                        v = slo.tbt_s if slo.tbt_s is not None else tbt
+                    if v < best:
+                        best = v
+            r.decode_slo_s = best
         return min(r.slo_s, r.decode_slo_s)
 
     def _scheduled(self, r: _Round, req: Request, n: int) -> None:

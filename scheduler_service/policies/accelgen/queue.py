@@ -219,6 +219,14 @@ class DeadlineIndex:
         if state is not None and state.seq == entry[1]:
             heapq.heappush(self._heaps[self._heap_of(state)], entry)
 
+    def restore_all(self, entries: list[tuple[float, int, str]]) -> None:
+        """`restore` of each entry, in order (a step puts back a few hundred)."""
+        states, heaps, push = self.states, self._heaps, heapq.heappush
+        for entry in entries:
+            state = states.get(entry[2])
+            if state is not None and state.seq == entry[1]:
+                push(heaps[RUNNING if state.holds_kv else LATE if state.late else WAITING], entry)
+
     def drop(self, rid: str) -> AccelGenState | None:
         state = self.states.pop(rid, None)
         if state is not None:
@@ -239,6 +247,15 @@ class DeadlineIndex:
     def pop(self, allow_waiting: bool, include_late: bool = False) -> tuple[float, int, str] | None:
         """The entry with the smallest key over the heaps asked for (KV holders always;
         waiting ones when `allow_waiting`; late ones too when `include_late`)."""
+        if not allow_waiting:
+            # NOTE: every step once the seats are full: the KV holders' heap alone
+            heap, states = self._heaps[RUNNING], self.states
+            while heap:
+                entry = heapq.heappop(heap)
+                state = states.get(entry[2])
+                if state is not None and state.seq == entry[1]:
+                    return entry
+            return None
         best = self.peek(RUNNING)
         best_heap = RUNNING
         if allow_waiting:
