@@ -389,18 +389,22 @@ class OperatorProfileCostModel(CostModel):
         return max(fitted, self._prefill[min(i, last_i)][min(j, last_j)])
 
     def iteration_time(self, shape: BatchShape) -> float:
-        swaps = self.swap_time(shape.swap_out_bytes) + self.swap_time(shape.swap_in_bytes)
-        n = shape.num_tokens
+        # NOTE: called once per simulated step: the swap terms (0.0 without bytes) and the token
+        # count are spelt out here instead of through their helpers; same arithmetic, same order.
+        out_bytes, in_bytes = shape.swap_out_bytes, shape.swap_in_bytes
+        swaps = self.swap_time(out_bytes) + self.swap_time(in_bytes) if out_bytes or in_bytes else 0.0
+        chunks, decodes = shape.prefill_chunks, shape.num_decodes
+        n = sum(c for c, _ in chunks) + decodes if chunks else decodes
         if n == 0:
             return swaps
         t = self._ops(n) + self.overhead_s + swaps
-        t += self._lm_head.time(shape.num_decodes + len(shape.prefill_chunks))
+        t += self._lm_head.time(decodes + len(chunks))
         if self._allreduce is not None:
             t += self._allreduce(n)
-        if shape.num_decodes:
-            attn = self.decode_attention_time(shape.num_decodes, shape.decode_context_sum)
-            t += attn * GQA_PENALTY if self._gqa and shape.num_decodes > 1 else attn
-        if shape.prefill_chunks:
-            attn = self.prefill_attention_time(shape.prefill_chunks)
-            t += attn * GQA_PENALTY if self._gqa and len(shape.prefill_chunks) > 1 else attn
+        if decodes:
+            attn = self.decode_attention_time(decodes, shape.decode_context_sum)
+            t += attn * GQA_PENALTY if self._gqa and decodes > 1 else attn
+        if chunks:
+            attn = self.prefill_attention_time(chunks)
+            t += attn * GQA_PENALTY if self._gqa and len(chunks) > 1 else attn
         return t
