@@ -97,14 +97,17 @@ def resolve_step(sched: OverlapHost, entry: InFlight, result: StepResult, now: f
         return None
     tokens: list[tuple[Request, int]] = []
     max_model_len = sched.config.max_model_len
-    caching = sched.kv.prefix_caching
+    kv = sched.kv
+    caching, block_size, num_registered = kv.prefix_caching, kv.block_size, kv.num_registered
     for rid in plan.num_scheduled_tokens:
         if rid in voided:
             continue
         req = requests.get(rid)
         if req is None:
             continue
-        if caching and req.status.is_running:
+        # NOTE: tokens in flight only lower the count, so a request with no full block past its
+        # registered ones has nothing to register (most steps: a block fills every 16 tokens).
+        if caching and req.num_computed_tokens // block_size > num_registered(rid) and req.status.is_running:
             sched.cache_computed_blocks(req, req.num_computed_tokens - sched.tokens_in_flight(rid))
         token = sampled.get(rid)
         if token is None or rid not in plan.sample_ids:

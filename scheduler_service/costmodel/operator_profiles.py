@@ -178,20 +178,21 @@ class AttentionGrid:
     prefill_floor: float
 
 
-def _decode_grid(rows: list[dict[str, str]]) -> np.ndarray:
+def _decode_grid(batch: list[int], context: list[int], ms: list[float]) -> np.ndarray:
     cells: dict[tuple[int, int], list[float]] = {}
-    for r in rows:
-        cells.setdefault((int(r["batch_size"]), int(r["kv_cache_size"])), []).append(
-            float(r["time_stats.attn_decode.median"])
-        )
+    for key, t in zip(zip(batch, context, strict=True), ms, strict=True):
+        cells.setdefault(key, []).append(t)
     batches = sorted({b for b, _ in cells})
     contexts = np.array(sorted({c for _, c in cells}), dtype=float)
     grid = np.arange(0, 4096 + CONTEXT_STEP, CONTEXT_STEP, dtype=float)
     table = np.empty((len(batches), len(grid)))
+    missing = [np.nan]
     for i, b in enumerate(batches):
-        times = [np.mean(cells.get((b, int(c)), [np.nan])) for c in contexts]
+        # NOTE: np.mean of one value is that value; it is called only where a cell was measured twice.
+        row = [cells.get((b, int(c)), missing) for c in contexts]
+        times = np.array([v[0] if len(v) == 1 else np.mean(v) for v in row])
         known = ~np.isnan(times)
-        table[i] = np.interp(grid, contexts[known], np.asarray(times)[known])
+        table[i] = np.interp(grid, contexts[known], times[known])
     return _suffix_min(_suffix_min(table, axis=1), axis=0)
 
 
@@ -202,11 +203,8 @@ def _prefill_fit(chunk: np.ndarray, prefix: np.ndarray, ms: np.ndarray) -> np.nd
     return coef
 
 
-def _prefill_grid(rows: list[dict[str, str]], fit: np.ndarray) -> np.ndarray:
-    cells = {
-        (int(r["kv_cache_size"]), int(r["prefill_chunk_size"])): float(r["time_stats.attn_prefill.median"])
-        for r in rows
-    }
+def _prefill_grid(prefix: list[int], chunk: list[int], ms: list[float], fit: np.ndarray) -> np.ndarray:
+    cells = dict(zip(zip(prefix, chunk, strict=True), ms, strict=True))
     prefixes = np.array(sorted({p for p, _ in cells}), dtype=float)
     chunks = np.array(sorted({c for _, c in cells}), dtype=float)
     full = np.array([[cells.get((int(p), int(c)), _fit_ms(fit, c, p)) for c in chunks] for p in prefixes])
@@ -222,18 +220,40 @@ def _fit_ms(fit: np.ndarray, chunk: float, prefix: float) -> float:
     return float(a + b * chunk + d * chunk * chunk + e * chunk * prefix + f * prefix)
 
 
+_ATTENTION_COLUMNS = (
+    "is_prefill",
+    "batch_size",
+    "kv_cache_size",
+    "prefill_chunk_size",
+    "time_stats.attn_decode.median",
+    "time_stats.attn_prefill.median",
+)
+
+
 @lru_cache(maxsize=2)
 def load_attention_grid(path: Path) -> AttentionGrid:
+    # NOTE: read as columns (csv.reader, six of its 32 columns): a DictReader per row was most of
+    # a short simulation's start-up.
     with open_text(path) as f:
-        rows = list(csv.DictReader(f))
-    decode = [r for r in rows if r["is_prefill"] != "True"]
-    prefill = [r for r in rows if r["is_prefill"] == "True"]
-    chunk = np.array([float(r["prefill_chunk_size"]) for r in prefill])
-    prefix = np.array([float(r["kv_cache_size"]) for r in prefill])
-    ms = np.array([float(r["time_stats.attn_prefill.median"]) for r in prefill])
-    fit = _prefill_fit(chunk, prefix, ms)
-    decode_ms = [float(r["time_stats.attn_decode.median"]) for r in decode]
-    return AttentionGrid(_decode_grid(decode), _prefill_grid(prefill, fit), fit, min(decode_ms), float(ms.min()))
+        reader = csv.reader(f)
+        header = next(reader)
+        at = [header.index(name) for name in _ATTENTION_COLUMNS]
+        cols: list[list[str]] = [[] for _ in at]
+        for row in reader:
+            for col, i in zip(cols, at, strict=True):
+                col.append(row[i])
+    is_prefill, batch, kv, chunk_size, decode_ms, prefill_ms = cols
+    pre = [flag == "True" for flag in is_prefill]
+    dec_rows = [i for i, p in enumerate(pre) if not p]
+    pre_rows = [i for i, p in enumerate(pre) if p]
+    prefix = [int(kv[i]) for i in pre_rows]
+    chunk = [int(chunk_size[i]) for i in pre_rows]
+    ms = [float(prefill_ms[i]) for i in pre_rows]
+    ms_array = np.array(ms)
+    fit = _prefill_fit(np.array(chunk, dtype=float), np.array(prefix, dtype=float), ms_array)
+    dec_ms = [float(decode_ms[i]) for i in dec_rows]
+    decode = _decode_grid([int(batch[i]) for i in dec_rows], [int(kv[i]) for i in dec_rows], dec_ms)
+    return AttentionGrid(decode, _prefill_grid(prefix, chunk, ms, fit), fit, min(dec_ms), float(ms_array.min()))
 
 
 @lru_cache(maxsize=16)
@@ -369,18 +389,22 @@ class OperatorProfileCostModel(CostModel):
         return max(fitted, self._prefill[min(i, last_i)][min(j, last_j)])
 
     def iteration_time(self, shape: BatchShape) -> float:
-        swaps = self.swap_time(shape.swap_out_bytes) + self.swap_time(shape.swap_in_bytes)
-        n = shape.num_tokens
+        # NOTE: called once per simulated step: the swap terms (0.0 without bytes) and the token
+        # count are spelt out here instead of through their helpers; same arithmetic, same order.
+        out_bytes, in_bytes = shape.swap_out_bytes, shape.swap_in_bytes
+        swaps = self.swap_time(out_bytes) + self.swap_time(in_bytes) if out_bytes or in_bytes else 0.0
+        chunks, decodes = shape.prefill_chunks, shape.num_decodes
+        n = sum(c for c, _ in chunks) + decodes if chunks else decodes
         if n == 0:
             return swaps
         t = self._ops(n) + self.overhead_s + swaps
-        t += self._lm_head.time(shape.num_decodes + len(shape.prefill_chunks))
+        t += self._lm_head.time(decodes + len(chunks))
         if self._allreduce is not None:
             t += self._allreduce(n)
-        if shape.num_decodes:
-            attn = self.decode_attention_time(shape.num_decodes, shape.decode_context_sum)
-            t += attn * GQA_PENALTY if self._gqa and shape.num_decodes > 1 else attn
-        if shape.prefill_chunks:
-            attn = self.prefill_attention_time(shape.prefill_chunks)
-            t += attn * GQA_PENALTY if self._gqa and len(shape.prefill_chunks) > 1 else attn
+        if decodes:
+            attn = self.decode_attention_time(decodes, shape.decode_context_sum)
+            t += attn * GQA_PENALTY if self._gqa and decodes > 1 else attn
+        if chunks:
+            attn = self.prefill_attention_time(chunks)
+            t += attn * GQA_PENALTY if self._gqa and len(chunks) > 1 else attn
         return t

@@ -294,11 +294,13 @@ class Simulation:
         i = 0
         now = 0.0
         bar = _progress(len(arrivals), self.config)
+        arrival_times = [float(r.arrival_s or 0.0) for r in arrivals] + [math.inf]
+        executors, hides_overhead = self.executors, self.config.overlap_hides_overhead
         while True:
-            next_arrival = float(arrivals[i].arrival_s or 0.0) if i < len(arrivals) else math.inf
+            next_arrival = arrival_times[i]
             next_done = events[0][0] if events else math.inf
             next_moved = moving[0][0] if moving else math.inf
-            next_wake = self._next_wakeup(now, {w: len(q) >= depth[w] for w, q in inflight.items()})
+            next_wake = self._next_wakeup(now, [w for w, q in inflight.items() if len(q) < depth[w]])
             upcoming = min(next_arrival, next_done, next_moved, next_wake)
             if upcoming == math.inf:
                 break  # NOTE: `now` keeps the last event's time for the leftover sweep below
@@ -324,9 +326,9 @@ class Simulation:
                     plan = cluster.plan_step(w, now)
                     if plan is None:
                         break
-                    executor = self.executors[w]
+                    executor = executors[w]
                     result = executor.execute(plan)
-                    cpu = executor.last_overhead_s if self.config.overlap_hides_overhead else 0.0
+                    cpu = executor.last_overhead_s if hides_overhead else 0.0
                     cpu_free[w] = max(now, cpu_free[w]) + cpu
                     queue.append((result, cpu_free[w], result.total_s - cpu))
                     if len(queue) == 1:  # the worker was idle: CPU work, then the step
@@ -345,9 +347,9 @@ class Simulation:
         cluster.pop_ended()
         return self._report()
 
-    def _next_wakeup(self, now: float, busy: dict[int, bool]) -> float:
-        """`busy`: workers that take no plan now (their steps in flight are as many as they may hold)."""
-        due = self.cluster.next_wakeup(now, [w for w, b in busy.items() if not b])
+    def _next_wakeup(self, now: float, free: list[int]) -> float:
+        """`free`: workers that may take a plan now (fewer steps in flight than they may hold)."""
+        due = self.cluster.next_wakeup(now, free)
         return due if due is not None and due > now else math.inf
 
     def _report(self) -> SimRun:
