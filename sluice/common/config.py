@@ -148,12 +148,27 @@ def add_config_arguments(
             )
 
 
+class _GivenNone:
+    """What an optional flag given as "none" parses to: argparse leaves flags not given at None,
+    so a None value would read as "not given" and the setting would keep its default."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "None"
+
+
+GIVEN_NONE = _GivenNone()
+
+
 def _converter(tp: Any, name: str) -> Any:
     def convert(raw: str) -> Any:
         try:
-            return parse_value(raw, tp, name)
+            value = parse_value(raw, tp, name)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{name}: ")) from None
+        return GIVEN_NONE if value is None else value
 
     return convert
 
@@ -192,7 +207,7 @@ def config_from(
             values[f.name] = parse_value(environ[var], types_[f.name], var)
     if args is not None:
         given = {f.name: getattr(args, f.name, None) for f in flagged}
-        values.update({n: _flatten(v) for n, v in given.items() if v is not None})
+        values.update({n: None if v is GIVEN_NONE else _flatten(v) for n, v in given.items() if v is not None})
     values.update(fixed)
     unknown = sorted(set(values) - names)
     if unknown:

@@ -23,6 +23,7 @@ class Example:
     worker: list[str] = opt(default_factory=list, help="addresses")
     num_workers: int = opt(1, "workers", cli="workers")
     hidden: str = opt("x", "not a flag", flag=False)
+    limit: int | None = opt(256, "a bound; none: unbounded")
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None, file: Path | None = None) -> Example:
@@ -36,6 +37,15 @@ def test_flags_are_named_and_typed_by_the_fields() -> None:
     cfg = parse(argv)
     assert cfg == Example(port=7, ratio=0.5, verbose=True, worker=["a:1", "b:2", "c:3"], num_workers=4)
     assert parse(["--ratio", "none", "--no-verbose"]) == Example()
+
+
+def test_none_given_on_the_command_line_overrides_a_default_that_is_not_none(tmp_path: Path) -> None:
+    assert parse([]).limit == 256
+    assert parse(["--limit", "none"]).limit is None
+    file = tmp_path / "c.toml"
+    file.write_text("limit = 5\n")
+    assert parse(["--limit", "none"], {"SLUICE_LIMIT": "7"}, file).limit is None
+    assert parse([], {"SLUICE_LIMIT": "none"}, file).limit is None
 
 
 def test_environment_sits_between_the_file_and_the_flags(tmp_path: Path) -> None:
