@@ -178,6 +178,19 @@ def retry_after_s(error: grpc.aio.AioRpcError) -> float | None:
     return None
 
 
+def error_reason(error: grpc.aio.AioRpcError) -> str | None:
+    """The google.rpc.ErrorInfo reason of an answer (QUEUE_FULL, SLO_UNMEETABLE, ...), if it has one."""
+    status = rpc_status.from_call(error)
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info.reason
+    return None
+
+
 class SluiceClient:
     """One channel to a scheduler. Use as `async with SluiceClient("host:port") as client:`."""
 

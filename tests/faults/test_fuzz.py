@@ -1,7 +1,9 @@
 """Property-based fuzzing (hypothesis) of every request message of the Generation and Worker
 APIs, each generated from its descriptor (values past every range: negative, huge, NaN,
 unknown enum numbers, control characters, long strings and lists) and as raw bytes: no crash,
-and every answer OK or INVALID_ARGUMENT (a step's own error INVALID_ARGUMENT). The worker's
+and every answer OK or INVALID_ARGUMENT (a step's own error INVALID_ARGUMENT; a Generate whose
+SLO admission cannot meet at the measured speed may also be refused as designed:
+RESOURCE_EXHAUSTED with the ErrorInfo reason SLO_UNMEETABLE). The worker's
 Execute also gets plans near the valid region, which reach the engine and its sampler: the
 torch engine runs them. A small, deterministic version; benchmarks/fault_suite.py runs more."""
 
