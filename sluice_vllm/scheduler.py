@@ -127,10 +127,15 @@ class StepLog:
 
     def __init__(self, path: str) -> None:
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115  (open for the engine's life)
-        self._pending: dict[str, Any] | None = None
+        # NOTE: a queue, not one slot: the async scheduler schedules step N+1 before step N's
+        # output comes back; None stands for a step that scheduled nothing
+        self._pending: deque[dict[str, Any] | None] = deque()
         self._lines: list[str] = []
 
     def scheduled(self, started: float, out: Any, requests: dict[str, Request]) -> None:
+        if not out.total_num_scheduled_tokens:
+            self._pending.append(None)
+            return
         prefills: list[list[int]] = []
         decodes: list[int] = []
         for rid, n in out.num_scheduled_tokens.items():
@@ -140,12 +145,12 @@ class StepLog:
                 decodes.append(before)
             else:
                 prefills.append([n, before])
-        self._pending = {"t": started, "p": prefills, "d": decodes}
+        self._pending.append({"t": started, "p": prefills, "d": decodes})
 
     def finished(self, left: int) -> None:
-        if self._pending is not None:
-            self._lines.append(json.dumps({**self._pending, "left": left}))
-            self._pending = None
+        step = self._pending.popleft() if self._pending else None
+        if step is not None:
+            self._lines.append(json.dumps({**step, "left": left}))
         if self._lines and (left == 0 or len(self._lines) >= self.FLUSH_EVERY):
             self.flush()
 
@@ -281,7 +286,7 @@ class SluiceSchedulerMixin:
         self._sluice_before(now)
         plugin_s = time.perf_counter() - started
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        if self._sluice_step_log is not None and out.total_num_scheduled_tokens:
+        if self._sluice_step_log is not None:
             self._sluice_step_log.scheduled(now, out, self.requests)  # type: ignore[attr-defined]
         self._sluice_served = list(out.num_scheduled_tokens)
         self._sluice_step_started = time.monotonic()

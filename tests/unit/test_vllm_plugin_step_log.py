@@ -90,3 +90,29 @@ def test_simulator_priced_by_the_engine_steps_predicts_queueing_at_the_seat_limi
     # shortest predicted first: ALISE finishes the short answers before a long one that came first
     mixed = [SentRequest("long", 0.0, 64, 200, 0), *(SentRequest(f"s{i}", 0.0, 64, 10, 0) for i in range(4))]
     assert jct(mixed, "alise")["s3"] < jct(mixed, "fcfs")["s3"]
+
+
+def test_step_log_keeps_each_step_when_the_async_scheduler_runs_ahead(tmp_path: Path) -> None:
+    """vLLM's async scheduler plans step N+1 before step N's output is back: each line is still
+    its own step's shape, in order."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from sluice_vllm.scheduler import SluiceAsyncScheduler
+
+    log = tmp_path / "steps.jsonl"
+    s = build_scheduler(SluiceAsyncScheduler, env={"SLUICE_VLLM_STEP_LOG": str(log)}, max_num_batched_tokens=64)
+    s.add_request(make_request("a", 100, 4))
+    steps = []
+    for _ in range(2):  # 64 prompt tokens, then the other 36, before either output is back
+        out = s.schedule()
+        done = [s.requests[r].num_computed_tokens >= s.requests[r].num_prompt_tokens for r in out.num_scheduled_tokens]
+        steps.append((out, done))
+    for out, done in steps:
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[5] if d else [] for d in done]
+        index = {r: i for i, r in enumerate(ids)}
+        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index=index, sampled_token_ids=sampled)
+        s.update_from_output(out, mro)
+    s.shutdown()
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["p"] for x in lines[:2]] == [[[64, 0]], [[36, 64]]]
