@@ -89,6 +89,9 @@ async def test_a_killed_worker_is_logged_restarted_and_taken_back_by_the_schedul
             resyncs = loop.num_resyncs
             second.proc.kill()
             await second.proc.wait()
+            # NOTE: SO_REUSEADDR: the killed worker's closed connections may hold the port in
+            # TIME_WAIT; a listening socket with it still keeps the restarted worker off the port
+            blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             blocker.bind(("127.0.0.1", second.port))
             blocker.listen()
             await _restarted(supervisor, 2)
