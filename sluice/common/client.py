@@ -165,30 +165,27 @@ def build_request(
     return request
 
 
+def _detail(error: grpc.aio.AioRpcError, kind: type) -> object | None:
+    """The first google.rpc detail of type `kind` an answer carries, if any."""
+    status = rpc_status.from_call(error)
+    for detail in status.details if status is not None else ():
+        if detail.Is(kind.DESCRIPTOR):
+            message = kind()
+            detail.Unpack(message)
+            return message
+    return None
+
+
 def retry_after_s(error: grpc.aio.AioRpcError) -> float | None:
     """The delay a RESOURCE_EXHAUSTED answer's google.rpc.RetryInfo asks for, if it has one."""
-    status = rpc_status.from_call(error)
-    if status is None:
-        return None
-    for detail in status.details:
-        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-            info = error_details_pb2.RetryInfo()
-            detail.Unpack(info)
-            return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
-    return None
+    info = _detail(error, error_details_pb2.RetryInfo)
+    return None if info is None else info.retry_delay.seconds + info.retry_delay.nanos / 1e9  # type: ignore[attr-defined]
 
 
 def error_reason(error: grpc.aio.AioRpcError) -> str | None:
     """The google.rpc.ErrorInfo reason of an answer (QUEUE_FULL, SLO_UNMEETABLE, ...), if it has one."""
-    status = rpc_status.from_call(error)
-    if status is None:
-        return None
-    for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            return info.reason
-    return None
+    info = _detail(error, error_details_pb2.ErrorInfo)
+    return None if info is None else info.reason  # type: ignore[attr-defined]
 
 
 class SluiceClient:

@@ -28,13 +28,12 @@ async def test_an_unmeetable_ttft_slo_is_refused_with_its_reason_and_the_client_
     try:
         async with stack([worker.address]) as s:
             for i in range(20):  # the worker's measured speed: admission judges from it
-                async for _ in s.channel.unary_stream(GENERATE)(request(f"warm{i}"), metadata=s.metadata, timeout=30):
-                    pass
+                call = s.channel.unary_stream(GENERATE)(request(f"warm{i}"), metadata=s.metadata, timeout=30)
+                assert [m async for m in call], "a request without an SLO is served"
             try:
                 call = s.channel.unary_stream(GENERATE)(request("tight", 0.001), metadata=s.metadata, timeout=30)
-                async for _ in call:
-                    pass
-                raise AssertionError("a 1 us TTFT SLO was admitted")
+                answered = [m async for m in call]
+                raise AssertionError(f"a 1 us TTFT SLO was admitted: {len(answered)} messages")
             except grpc.aio.AioRpcError as exc:
                 assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert error_reason(exc) == "SLO_UNMEETABLE"
