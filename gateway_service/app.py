@@ -32,7 +32,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -71,8 +71,29 @@ class ClientGone(Exception):
 # ---------------------------------------------------------------- the scheduler
 
 
-class SchedulerLink:
-    """One gRPC channel to the scheduler, and what GetServerInfo said of it (once it answered)."""
+class SchedulerLink(Protocol):
+    """What the gateway needs of the scheduler: GrpcSchedulerLink (a channel to its gRPC API,
+    `sluice gateway`) or the scheduler's in-process API (scheduler_service/inprocess.py, the
+    HTTP front of `sluice serve`). Failures are grpc.aio.AioRpcError either way."""
+
+    target: str
+    metadata: tuple[tuple[str, str], ...]
+
+    def generate(self, request: generation_pb2.GenerateRequest, *, timeout: float | None, metadata: Any) -> Any:
+        """A Generate call: `read()` (a message, or grpc.aio.EOF after the last) and `cancel()`."""
+        ...
+
+    async def info(self, timeout_s: float = 5.0) -> generation_pb2.GetServerInfoResponse: ...
+
+    async def readiness(self, timeout_s: float = 2.0) -> str:
+        """serving (a worker steps), not_serving, or unreachable."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class GrpcSchedulerLink:
+    """One gRPC channel to the scheduler (HTTP/2: every request is a stream on it)."""
 
     def __init__(self, target: str, security: ClientSecurity) -> None:
         self.target = target
@@ -80,23 +101,16 @@ class SchedulerLink:
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.metadata: tuple[tuple[str, str], ...] = security.metadata
-        self._info: generation_pb2.GetServerInfoResponse | None = None
+
+    def generate(self, request: generation_pb2.GenerateRequest, *, timeout: float | None, metadata: Any) -> Any:
+        return self.stub.Generate(request, timeout=timeout, metadata=metadata)
 
     async def info(self, timeout_s: float = 5.0) -> generation_pb2.GetServerInfoResponse:
-        if self._info is None:
-            try:
-                self._info = await self.stub.GetServerInfo(
-                    generation_pb2.GetServerInfoRequest(), timeout=timeout_s, metadata=self.metadata or None
-                )
-            except grpc.aio.AioRpcError as exc:
-                error = from_rpc_error(exc)
-                raise ApiError(
-                    error.status, f"the scheduler at {self.target}: {error.message}", code=error.code
-                ) from None
-        return self._info
+        return await self.stub.GetServerInfo(
+            generation_pb2.GetServerInfoRequest(), timeout=timeout_s, metadata=self.metadata or None
+        )
 
     async def readiness(self, timeout_s: float = 2.0) -> str:
-        """The scheduler's readiness: serving (a worker steps), not_serving, or unreachable."""
         try:
             reply = await self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout_s)
         except grpc.aio.AioRpcError:
@@ -253,12 +267,17 @@ class Generation:
 
 
 class Gateway:
-    def __init__(self, cfg: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
+    """The OpenAI API over `link`; without one, over a gRPC channel to cfg.scheduler (made at open)."""
+
+    def __init__(
+        self, cfg: GatewayConfig, metrics: GatewayMetrics | None = None, link: SchedulerLink | None = None
+    ) -> None:
         self.cfg = cfg
         keys = split_keys(cfg.api_key)
         self.api_keys = ApiKeys(keys) if keys else None
         self.metrics = metrics or GatewayMetrics()
-        self.link: SchedulerLink | None = None
+        self.link: SchedulerLink | None = link
+        self._info: generation_pb2.GetServerInfoResponse | None = None
         self.created = int(time.time())
         self._template: ChatTemplate | None = None
         if cfg.chat_template:
@@ -268,7 +287,8 @@ class Gateway:
     # ------------------------------------------------ plumbing
 
     async def open(self) -> None:
-        self.link = SchedulerLink(self.cfg.scheduler, self.cfg.scheduler_security())
+        if self.link is None:
+            self.link = GrpcSchedulerLink(self.cfg.scheduler, self.cfg.scheduler_security())
 
     async def close(self) -> None:
         if self.link is not None:
@@ -277,6 +297,19 @@ class Gateway:
     def _link(self) -> SchedulerLink:
         assert self.link is not None, "the gateway is not open"
         return self.link
+
+    async def info(self) -> generation_pb2.GetServerInfoResponse:
+        """The scheduler's model and limits, asked once (ApiError while it cannot answer)."""
+        if self._info is None:
+            link = self._link()
+            try:
+                self._info = await link.info()
+            except grpc.aio.AioRpcError as exc:
+                error = from_rpc_error(exc)
+                raise ApiError(
+                    error.status, f"the scheduler at {link.target}: {error.message}", code=error.code
+                ) from None
+        return self._info
 
     def authorize(self, headers: Mapping[str, str]) -> None:
         if self.api_keys is None:
@@ -358,15 +391,15 @@ class Gateway:
         try:
             self.authorize(headers)
             body = await self.body(headers, receive)
+            info = await self.info()
             link = self._link()
-            info = await link.info()
             parsed = parse_chat(body, self.chat_template(info)) if kind == "chat" else parse_completion(body)
             model = self.model_name(parsed.model, info)
             rid = parsed.request_id or headers.get("x-request-id") or uuid.uuid4().hex
             span, trace_headers = self.trace_metadata(headers, route)
             metadata = (*link.metadata, *trace_headers) if trace_headers else link.metadata
             timeout = self.cfg.request_timeout_s
-            calls = [link.stub.Generate(r, timeout=timeout, metadata=metadata) for r in parsed.requests(rid)]
+            calls = [link.generate(r, timeout=timeout, metadata=metadata) for r in parsed.requests(rid)]
             self.metrics.prepare.observe(time.perf_counter() - arrival)
         except ApiError as error:
             self._error(route, error, span)
@@ -508,7 +541,7 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         try:
             self.authorize(request.headers)
-            info = await self._link().info()
+            info = await self.info()
         except ApiError as error:
             self._error("/v1/models", error)
             return error_response(error)

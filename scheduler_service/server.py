@@ -140,19 +140,20 @@ def invalid_argument_status(exc: InvalidRequestError) -> grpc.Status:
     return _status(code_pb2.INVALID_ARGUMENT, str(exc), error_details_pb2.BadRequest(field_violations=[violation]))
 
 
-async def abort_rejected(context: grpc.aio.ServicerContext, exc: Rejected, retry_after_s: float) -> None:
+def rejected_status(exc: Rejected, retry_after_s: float) -> grpc.Status:
+    """The status of a request refused at admission (`LiveScheduler.submit` raised Rejected)."""
     if exc.reason is RejectReason.QUEUE_FULL:
-        await context.abort_with_status(queue_full_status(str(exc), retry_after_s))
+        return queue_full_status(str(exc), retry_after_s)
     if exc.reason is RejectReason.SLO_UNMEETABLE:
-        await context.abort_with_status(queue_full_status(str(exc), retry_after_s, "SLO_UNMEETABLE"))
+        return queue_full_status(str(exc), retry_after_s, "SLO_UNMEETABLE")
     if exc.reason is RejectReason.OFFLINE_QUEUE_FULL:
-        await context.abort_with_status(queue_full_status(str(exc), retry_after_s, "OFFLINE_QUEUE_FULL"))
+        return queue_full_status(str(exc), retry_after_s, "OFFLINE_QUEUE_FULL")
     if exc.reason is RejectReason.NO_WORKER:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return _status(code_pb2.UNAVAILABLE, str(exc))
     if exc.reason in (RejectReason.DUPLICATE_ID, RejectReason.PROMPT_TOO_LONG, RejectReason.EXCEEDS_KV_CAPACITY):
         field = "request_id" if exc.reason is RejectReason.DUPLICATE_ID else "prompt"
-        await context.abort_with_status(invalid_argument_status(InvalidRequestError(field, str(exc))))
-    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return invalid_argument_status(InvalidRequestError(field, str(exc)))
+    return _status(code_pb2.RESOURCE_EXHAUSTED, str(exc))
 
 
 # How a request that was accepted and then failed ends: by status, then by the reject reason
@@ -199,6 +200,35 @@ def ending_status(request: Request, code: int) -> grpc.Status:
     )
     message = request.finish_message or request.status.name.lower()
     return _status(code, message, info)
+
+
+def server_info(live: LiveScheduler) -> generation_pb2.GetServerInfoResponse:
+    """GetServerInfo's answer: the version, policy, model, limits and workers of a started scheduler."""
+    workers = [
+        generation_pb2.WorkerDescription(
+            worker_id=str(w),
+            address=loop.remote.address,
+            healthy=live.cluster.healthy[w],
+            num_gpu_blocks=loop.capacity.num_gpu_blocks,
+            num_cpu_blocks=loop.capacity.num_cpu_blocks,
+            role=loop.capacity.role,
+        )
+        for w, loop in live.loops.items()
+    ]
+    return generation_pb2.GetServerInfoResponse(
+        version=sluice_version(),
+        policy=live.config.policy,
+        router=live.config.router,
+        model=live.model,
+        max_model_len=live.max_model_len,
+        max_waiting=live.config.max_waiting or 0,  # 0: no bound
+        block_size=live.block_size,
+        workers=workers,
+        max_prompt_tokens=live.limits.max_prompt_tokens,
+        default_max_tokens=live.config.default_max_tokens,
+        max_prompt_bytes=live.limits.prompt_bytes,
+        vocab_size=live.limits.vocab_size,
+    )
 
 
 # ---------------------------------------------------------------- the service
@@ -252,7 +282,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except InvalidRequestError as exc:
             await context.abort_with_status(invalid_argument_status(exc))
         except Rejected as exc:
-            await abort_rejected(context, exc, self.live.config.retry_after_s)
+            await context.abort_with_status(rejected_status(exc, self.live.config.retry_after_s))
         raise AssertionError("unreachable: abort raises")
 
     async def Abort(
@@ -280,32 +310,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GetServerInfoResponse:
         await self._require_started(context)
-        live = self.live
-        workers = [
-            generation_pb2.WorkerDescription(
-                worker_id=str(w),
-                address=loop.remote.address,
-                healthy=live.cluster.healthy[w],
-                num_gpu_blocks=loop.capacity.num_gpu_blocks,
-                num_cpu_blocks=loop.capacity.num_cpu_blocks,
-                role=loop.capacity.role,
-            )
-            for w, loop in live.loops.items()
-        ]
-        return generation_pb2.GetServerInfoResponse(
-            version=sluice_version(),
-            policy=live.config.policy,
-            router=live.config.router,
-            model=live.model,
-            max_model_len=live.max_model_len,
-            max_waiting=live.config.max_waiting or 0,  # 0: no bound
-            block_size=live.block_size,
-            workers=workers,
-            max_prompt_tokens=live.limits.max_prompt_tokens,
-            default_max_tokens=live.config.default_max_tokens,
-            max_prompt_bytes=live.limits.prompt_bytes,
-            vocab_size=live.limits.vocab_size,
-        )
+        return server_info(self.live)
 
     async def GetStats(
         self, request: generation_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

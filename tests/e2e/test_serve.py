@@ -1,5 +1,5 @@
 """The whole stack as processes: `sluice serve` starts, prints where it listens (gRPC, and the
-OpenAI HTTP API of its gateway child), serves both and shuts down on SIGINT leaving no worker
+OpenAI HTTP API it serves from its own process), serves both and shuts down on SIGINT leaving no worker
 behind (with the worker and the predictor pinned to CPUs of their own where there are 2); and a
 worker process killed with SIGKILL mid-run leaves every admitted request finished on the other
 worker."""
@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 
 import grpc
 import openai
@@ -107,7 +108,8 @@ async def test_sluice_serve_listens_serves_and_stops_cleanly_on_sigint() -> None
         assert [w.address for w in info.workers] == [match.group(3)]
         # the worker and the predictor, started with the flags, run on the CPUs they name
         children = _children(proc.pid)
-        assert any(" gateway " in line for line in children.values()), children
+        assert not any(" gateway " in line for line in children.values()), "HTTP is served in-process"
+        assert "(model tiny-llama, this process)" in api, api
         for role, cpus in pinned.items():
             pids = [pid for pid, line in children.items() if role in line]
             assert len(pids) == 1, (role, children)
@@ -170,3 +172,64 @@ def test_settings_come_from_defaults_then_the_config_file_then_the_environment_t
         _serve_settings(["--config", str(js)])
     with pytest.raises(ValueError, match="SLUICE_MAX_WAITING: not an integer"):
         _serve_settings([], {"SLUICE_MAX_WAITING": "lots"})
+
+
+async def test_sluice_scheduler_serves_the_openai_api_from_its_own_process(tmp_path: Path) -> None:
+    """`sluice scheduler --http-port 0`: the HTTP line, then the gRPC one; a completion over HTTP
+    and the same request over gRPC give the same tokens (the echo engine's depend on position
+    only); the request made over HTTP is the API key's, so a gRPC client with that key may
+    abort it; bad input over HTTP is a 400 naming the field and the scheduler keeps serving."""
+    from sluice_bench.live import spawn_worker
+
+    worker = spawn_worker(engine="echo", log_dir=tmp_path, extra=("--echo-step-ms", "5"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env["SLUICE_API_KEY"] = "sk-e2e"
+    cmd = [sys.executable, "-m", "services.cli", "scheduler", "--worker", worker.address, "--port", "0"]
+    cmd += ["--http-port", "0", "--num-gpu-blocks", "256"]
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
+    )
+    assert proc.stdout is not None
+    try:
+        api = (await asyncio.wait_for(proc.stdout.readline(), timeout=120)).decode()
+        base_url = re.search(r"OpenAI API at (http://[\d.]+:\d+/v1) \(this process\)", api)
+        if not base_url:
+            pytest.fail(f"no OpenAI API line but {api!r}; stderr:\n{await _stderr_after_exit(proc)}")
+        line = (await asyncio.wait_for(proc.stdout.readline(), timeout=60)).decode()
+        grpc_port = re.search(r"listening on [\d.]+:(\d+) ", line)
+        assert grpc_port, line
+        client = openai.AsyncOpenAI(base_url=base_url.group(1), api_key="sk-e2e", max_retries=0)
+        whole = await client.completions.create(model="tiny-llama", prompt=[5, 6, 7], max_tokens=6)
+        assert (whole.choices[0].finish_reason, whole.usage.completion_tokens) == ("length", 6)
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, top_p=5.0)
+        assert bad.value.body["param"] == "top_p"
+        metadata = (("authorization", "Bearer sk-e2e"),)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port.group(1)}") as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            request = generation_pb2.GenerateRequest(
+                token_ids=common_pb2.TokenIds(ids=[5, 6, 7]),
+                sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=6),
+            )
+            texts = [m.text async for m in stub.Generate(request, metadata=metadata)]
+            assert "".join(texts) == whole.choices[0].text, "both APIs run the same request alike"
+            stream = await client.completions.create(
+                model="tiny-llama",
+                prompt="x",
+                max_tokens=1500,
+                stream=True,
+                extra_body={"request_id": "http-owned", "ignore_eos": True},
+            )
+            first = await anext(aiter(stream))
+            assert first.choices[0].text is not None
+            answer = await stub.Abort(generation_pb2.AbortRequest(request_ids=["http-owned"]), metadata=metadata)
+            assert list(answer.aborted_ids) == ["http-owned"], "the key's own request, made over HTTP"
+            reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
+            assert reasons and reasons[-1] == "abort", reasons
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), timeout=60) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        worker.stop()

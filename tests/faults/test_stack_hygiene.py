@@ -133,7 +133,8 @@ def test_serve_restarts_a_killed_gateway_on_the_same_http_port(tmp_path: Path) -
     log_path = tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") or k == "SLUICE_DATA_DIR"}
     cmd = [sys.executable, "-m", "services.cli", "serve", "--workers", "1", "--port", "0", "--load-format", "dummy"]
-    cmd += ["--num-gpu-blocks", "64", "--no-start-predictor", "--http-port", "0", "--restart-min-s", "1"]
+    cmd += ["--num-gpu-blocks", "64", "--no-start-predictor", "--http-port", "0", "--gateway-process"]
+    cmd += ["--restart-min-s", "1"]
     with log_path.open("w") as log:
         serve = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -4,7 +4,9 @@ the official `openai` client (sync and async, streaming and not, completions and
 own fields through `extra_body`), the SSE framing byte for byte, the API key on every route but
 /health, TLS, a client that leaves mid-stream (its KV freed), the caller's traceparent in the
 scheduler's spans, and every error status provoked for real (400 naming the field, 401, 404,
-413, 429 with Retry-After, 503, 504)."""
+413, 429 with Retry-After, 503, 504). Each runs over both of the gateway's links to the
+scheduler: its gRPC API (`sluice gateway`) and its in-process API (the HTTP front of
+`sluice serve`), which must answer alike."""
 
 from __future__ import annotations
 
@@ -21,14 +23,16 @@ import openai
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from gateway_service.app import Gateway
 from gateway_service.config import GatewayConfig
 from gateway_service.server import GatewayServer
+from scheduler_service.inprocess import InProcessLink
 from scheduler_service.live.config import LiveConfig
 from scheduler_service.live.service import LiveScheduler
 from scheduler_service.server import SchedulerServer
 from sluice.common.client import SluiceClient
 from sluice.common.healthcheck import EXIT_NOT_SERVING, EXIT_SERVING, check_http
-from sluice.common.security import ApiKeys, ClientSecurity, ServerSecurity
+from sluice.common.security import ApiKeys, ClientSecurity, ServerSecurity, key_identity
 from sluice.common.telemetry import setup_tracing
 from worker_service.echo_engine import EchoEngine
 from worker_service.engine import EngineConfig
@@ -37,6 +41,7 @@ from worker_service.server import build_server
 KEY = "sk-gateway-test"
 MODEL = "tiny-llama"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+LINKS = ["grpc", "in-process"]  # how the gateway reaches the scheduler
 
 
 @dataclass
@@ -51,14 +56,18 @@ class Stack:
         return self.base + "/v1"
 
 
-async def start_stack(live_config: LiveConfig, gateway: GatewayConfig, step_time_s: float = 0.0) -> tuple[Stack, list]:
+async def start_stack(
+    live_config: LiveConfig, gateway: GatewayConfig, step_time_s: float = 0.0, link: str = "grpc"
+) -> tuple[Stack, list]:
     worker = build_server(EchoEngine(EngineConfig(), step_time_s=step_time_s), 0)
     await worker.start(ready=False)
     live = LiveScheduler([f"127.0.0.1:{worker.port}"], live_config)
     security = ServerSecurity(api_keys=ApiKeys((KEY,)))
     scheduler = await SchedulerServer.start(live, 0, security=security)
     gateway.scheduler = f"127.0.0.1:{scheduler.port}"
-    gw = await GatewayServer.start(gateway)
+    # NOTE: in-process, the requests are the gateway key's, as when the gateway presents it over gRPC
+    front = Gateway(gateway, link=InProcessLink(live, key_identity(KEY))) if link == "in-process" else None
+    gw = await GatewayServer.start(gateway, front)
     client = SluiceClient(f"127.0.0.1:{scheduler.port}", security=ClientSecurity(api_key=KEY))
     await client.wait_ready()
     stack = Stack(f"http://127.0.0.1:{gw.port}", client, gw, InMemorySpanExporter())
@@ -80,10 +89,11 @@ def exporter() -> InMemorySpanExporter:
     return exporter
 
 
-@pytest.fixture(scope="module")
-async def stack(exporter: InMemorySpanExporter) -> AsyncIterator[Stack]:
+@pytest.fixture(scope="module", params=LINKS)
+async def stack(exporter: InMemorySpanExporter, request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
     cfg = LiveConfig(num_gpu_blocks=1024, max_num_seqs=32, max_num_batched_tokens=2048)
-    s, parts = await start_stack(cfg, GatewayConfig(port=0, api_key=KEY, served_model_name=["sluice-chat"]))
+    gateway = GatewayConfig(port=0, api_key=KEY, served_model_name=["sluice-chat"])
+    s, parts = await start_stack(cfg, gateway, link=request.param)
     s.spans = exporter
     yield s
     await stop_stack(parts)
@@ -268,12 +278,12 @@ async def test_sse_framing_byte_for_byte(stack: Stack) -> None:
     assert chat.content == first % words[0] + last % words[1] + usage + b"data: [DONE]\n\n"
 
 
-@pytest.fixture
-async def slow_stack() -> AsyncIterator[Stack]:
+@pytest.fixture(params=LINKS)
+async def slow_stack(request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
     """A stack whose echo worker takes 5 ms a step: a 1500-token request is still generating
     seconds later, however slowly a busy machine lets the client read."""
     cfg = LiveConfig(num_gpu_blocks=1024, max_num_seqs=32, max_num_batched_tokens=2048)
-    s, parts = await start_stack(cfg, GatewayConfig(port=0, api_key=KEY), step_time_s=0.005)
+    s, parts = await start_stack(cfg, GatewayConfig(port=0, api_key=KEY), step_time_s=0.005, link=request.param)
     yield s
     await stop_stack(parts)
 
@@ -439,11 +449,12 @@ async def test_unknown_model_route_and_method_are_404_and_405_and_bodies_are_che
         await openai.AsyncOpenAI(base_url=stack.v1, api_key=KEY).completions.create(model="gpt-4", prompt="x")
 
 
-async def test_queue_full_is_429_with_retry_after_queue_timeout_504_and_no_worker_503() -> None:
+@pytest.mark.parametrize("link", LINKS)
+async def test_queue_full_is_429_with_retry_after_queue_timeout_504_and_no_worker_503(link: str) -> None:
     """One sequence at a time, one waiting, a 1.5 s queue timeout, slow echo steps; then the
     worker goes, mid-stream."""
     cfg = LiveConfig(num_gpu_blocks=256, max_num_seqs=1, max_waiting=1, queue_timeout_s=1.5, retry_after_s=0.2)
-    stack, parts = await start_stack(cfg, GatewayConfig(port=0, api_key=KEY), step_time_s=0.01)
+    stack, parts = await start_stack(cfg, GatewayConfig(port=0, api_key=KEY), step_time_s=0.01, link=link)
     try:
         async with httpx.AsyncClient(timeout=30) as http:
             url = stack.v1 + "/completions"

@@ -10,7 +10,8 @@
 
 Inside scheduler_service, lower layers never import higher ones:
 
-    server.py                          the gRPC front of the live service
+    server.py  inprocess.py            the live service's fronts: gRPC, and the same API called
+                                       in-process (the HTTP front of `sluice serve`)
     live/   loadgen/                   the live driver; the client-side load generator (sluice bench)
     sim/                               the simulator driver, SLO profiles, capacity search
     cluster/                           ClusterSpec, build_cluster, Cluster, length sources
@@ -43,7 +44,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     ),
     "worker_service": ("services", "scheduler_service", "predictor_service", "gateway_service", "sluice_vllm", *BENCH),
     "predictor_service": ("services", "scheduler_service", "worker_service", "gateway_service", "sluice_vllm", *BENCH),
-    # the HTTP gateway is a client of the scheduler's public gRPC API, like any other
+    # the HTTP gateway is a client of the scheduler's API: over gRPC like any other, or in-process
+    # through a link that services/ hands it (scheduler_service/inprocess.py); it imports neither
     "gateway_service": (
         "services", "scheduler_service", "worker_service", "predictor_service", "sluice_vllm", "torch", "vllm", *BENCH
     ),
@@ -64,7 +66,7 @@ VLLM_ADAPTERS = (
 
 
 # scheduler_service's layers (a package or a module under it) -> its layers it must never import
-_ABOVE_SIM = ("live", "server", "loadgen")
+_ABOVE_SIM = ("live", "server", "inprocess", "loadgen")
 INNER_FORBIDDEN: dict[str, tuple[str, ...]] = {
     "costmodel": ("core", "workloads", "policies", "routers", "cluster", "sim", *_ABOVE_SIM),
     "core": ("workloads", "policies", "routers", "cluster", "sim", *_ABOVE_SIM),
@@ -73,8 +75,8 @@ INNER_FORBIDDEN: dict[str, tuple[str, ...]] = {
     "routers": ("policies", "workloads", "cluster", "sim", *_ABOVE_SIM),
     "cluster": ("workloads", "sim", *_ABOVE_SIM),
     "sim": _ABOVE_SIM,
-    "live": ("sim", "workloads", "server", "loadgen"),
-    "loadgen": ("live", "server"),
+    "live": ("sim", "workloads", "server", "inprocess", "loadgen"),
+    "loadgen": ("live", "server", "inprocess"),
 }
 
 
@@ -137,7 +139,7 @@ def test_every_scheduler_package_has_a_layer() -> None:
     base = ROOT / "scheduler_service"
     packages = {p.name for p in base.iterdir() if (p / "__init__.py").exists()}
     modules = {p.stem for p in base.glob("*.py") if p.stem != "__init__"}
-    assert packages | modules == set(INNER_FORBIDDEN) | {"server"}
+    assert packages | modules == set(INNER_FORBIDDEN) | {"server", "inprocess"}
 
 
 def test_the_checker_sees_an_inner_back_edge(tmp_path: Path) -> None:
