@@ -18,9 +18,10 @@ generation routes served by the gateway directly (GatewayApp), the rest by Starl
     GET /metrics                      the gateway's Prometheus metrics (Bearer key)
 
 Errors are OpenAI's JSON (errors.py); unknown routes are 404 and wrong methods 405 in the
-same shape. The gateway holds one gRPC channel to the scheduler (HTTP/2: every request is a
-stream on it) and learns the model and limits from GetServerInfo at the first request that
-needs them.
+same shape. The gateway reaches the scheduler through a SchedulerLink: one gRPC channel
+(HTTP/2: every request is a stream on it; `sluice gateway`), or the scheduler's API called in
+its own process (the link `sluice serve` hands it); it learns the model and limits from
+GetServerInfo at the first request that needs them.
 """
 
 from __future__ import annotations
