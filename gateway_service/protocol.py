@@ -88,7 +88,14 @@ def _number(body: dict, name: str) -> float | None:
     return float(value)
 
 
-def _integer(body: dict, name: str, minimum: int | None = None) -> int | None:
+# The integer fields' ranges on the wire (protobuf uint32, int32, uint64): a value past them
+# cannot be sent at all, so it is a 400 here; the scheduler checks the ranges that matter inside.
+UINT32_MAX = 2**32 - 1
+INT32 = (-(2**31), 2**31 - 1)
+UINT64_MAX = 2**64 - 1
+
+
+def _integer(body: dict, name: str, minimum: int | None = None, maximum: int = UINT32_MAX) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -96,6 +103,8 @@ def _integer(body: dict, name: str, minimum: int | None = None) -> int | None:
         raise invalid(name, f"must be an integer, got {type(value).__name__}")
     if minimum is not None and value < minimum:
         raise invalid(name, f"must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise invalid(name, f"must be <= {maximum}, got {value}")
     return value
 
 
@@ -133,8 +142,9 @@ _INTS = {int}
 
 def _token_list(value: Any) -> bool:
     # NOTE: by exact type, not _is_int per id: JSON gives exact ints (and bool is a type of its
-    # own), and this loop over a long prompt was the costliest step of parsing a request
-    return isinstance(value, list) and set(map(type, value)) == _INTS
+    # own), and this loop over a long prompt was the costliest step of parsing a request; the
+    # range in C too (a negative id, or one past uint32, could not be sent)
+    return isinstance(value, list) and set(map(type, value)) == _INTS and min(value) >= 0 and max(value) <= UINT32_MAX
 
 
 def _prompts(body: dict) -> list[Prompt]:
@@ -184,34 +194,34 @@ def _unsupported(body: dict, kind: str) -> None:
 def _common(body: dict, kind: str, max_tokens_default: int | None) -> tuple[dict[str, Any], dict[str, str]]:
     """build_request options from the fields both endpoints share, and the field aliases."""
     aliases: dict[str, str] = {}
-    max_tokens = _integer(body, "max_completion_tokens")
+    max_tokens = _integer(body, "max_completion_tokens", minimum=1)
     if max_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
     else:
-        max_tokens = _integer(body, "max_tokens")
+        max_tokens = _integer(body, "max_tokens", minimum=1)
         if max_tokens is None:
             max_tokens = max_tokens_default
-    top_k = _integer(body, "top_k")
+    top_k = _integer(body, "top_k", minimum=INT32[0])
     slo_class = _string(body, "slo_class")
     if slo_class is not None and slo_class not in SLO_CLASSES:
         raise invalid("slo_class", f"must be one of {', '.join(SLO_CLASSES)}, got {slo_class!r}")
     stop_token_ids = body.get("stop_token_ids") or []
-    if not (isinstance(stop_token_ids, list) and all(_is_int(t) for t in stop_token_ids)):
-        raise invalid("stop_token_ids", "must be a list of token ids")
+    if not (isinstance(stop_token_ids, list) and all(_is_int(t) and 0 <= t <= UINT32_MAX for t in stop_token_ids)):
+        raise invalid("stop_token_ids", f"must be a list of token ids (0 to {UINT32_MAX})")
     options: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": _number(body, "temperature"),
         "top_p": _number(body, "top_p"),
         # NOTE: vLLM's -1 (and 0) mean "all tokens", as an unset top_k does here
         "top_k": None if top_k is not None and top_k <= 0 else top_k,
-        "seed": _integer(body, "seed", minimum=0),
+        "seed": _integer(body, "seed", minimum=0, maximum=UINT64_MAX),
         "stop": _stop(body),
         "ignore_eos": bool(_boolean(body, "ignore_eos")),
         "ttft_ms": _number(body, "ttft_ms"),
         "tbt_ms": _number(body, "tbt_ms"),
         "jct_ms": _number(body, "jct_ms"),
         "slo_class": slo_class,
-        "priority": _integer(body, "priority") or 0,
+        "priority": _integer(body, "priority", minimum=INT32[0], maximum=INT32[1]) or 0,
         "tenant": _string(body, "user") or "",
         "predicted_output_tokens": _integer(body, "predicted_output_tokens", minimum=0) or 0,
     }

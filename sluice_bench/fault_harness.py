@@ -490,6 +490,139 @@ async def fuzz_generation_api(s: Stack, examples: int, seed: int | None = None) 
     return report
 
 
+# ---------------------------------------------------------------- the OpenAI HTTP API
+
+# Statuses a generation route may answer a fuzzed body with: the answer, a 400 naming the field,
+# a 404 for an unknown model, a 413 for a body over the limit, and the 429 of a request whose
+# SLOs admission cannot meet at the measured speed (a 1 ms TTFT, say). Never a 5xx.
+_HTTP_ANSWERS = (200, 400, 404, 413, 429)
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+def openai_bodies() -> Any:
+    """(route, body bytes, example) for the generation routes: JSON objects with the fields
+    clients send, each either near its valid range or any JSON value; any JSON value as the
+    whole body; and raw bytes."""
+    import json
+
+    from hypothesis import strategies as st
+
+    scalar = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**40), 2**40),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=20),
+    )
+    anything = st.recursive(
+        scalar,
+        lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+        max_leaves=8,
+    )
+    # the edges of the wire's integer types and of the fields' ranges, where parsing breaks
+    edges = st.sampled_from([-(2**63), -(2**31) - 1, -2, -1, 0, 1, 2**31, 2**32, 2**63, 2**64])
+
+    ids = st.lists(st.integers(0, 40000) | edges, max_size=8)
+    message = st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant", "tool", "robot"]) | anything},
+        optional={
+            "content": st.text(max_size=30)
+            | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}), max_size=2)
+            | anything,
+            "name": anything,
+        },
+    )
+
+    def ints(low: int, high: int) -> Any:
+        return st.integers(low, high) | edges | anything
+
+    def near(low: float, high: float) -> Any:
+        return st.floats(low, high) | st.integers(int(low) - 2, int(high) + 2) | anything
+
+    fields = {
+        "model": st.sampled_from(["tiny-llama", "", "gpt-4"]) | anything,
+        "prompt": st.one_of(
+            st.text(max_size=40), st.lists(st.text(max_size=10), max_size=3), ids, st.lists(ids, max_size=2), anything
+        ),
+        "messages": st.lists(message, max_size=3) | anything,
+        "max_tokens": ints(1, 3000),
+        "max_completion_tokens": ints(1, 3000),
+        "temperature": near(-1, 3),
+        "top_p": near(-0.5, 1.5),
+        "top_k": ints(-1, 100),
+        "seed": ints(0, 2**32),
+        "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=5) | anything,
+        "n": ints(1, 4),
+        "stream": st.booleans() | anything,
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | anything}) | anything,
+        "logprobs": st.booleans() | st.integers(-1, 3) | anything,
+        "user": st.text(max_size=300) | anything,
+        "priority": ints(-5000, 5000),
+        "ttft_ms": near(0, 10_000),
+        "tbt_ms": near(0, 1_000),
+        "jct_ms": near(0, 100_000),
+        "slo_class": st.sampled_from(["online", "offline", "batch"]) | anything,
+        "predicted_output_tokens": ints(0, 5000),
+        "ignore_eos": st.booleans() | anything,
+        "min_tokens": ints(0, 100),
+        "request_id": st.text(max_size=80) | anything,
+    }
+    # a valid request (a prompt and messages both: each route reads its own) with one or two
+    # fields drawn as above, so the fields past the first check get reached as well
+    valid = st.fixed_dictionaries(
+        {
+            "prompt": st.text(min_size=1, max_size=20),
+            "messages": st.just([{"role": "user", "content": "hi"}]),
+            "max_tokens": st.integers(1, 16),
+            "stream": st.booleans(),
+        }
+    )
+    extra = st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=2, unique=True).flatmap(
+        lambda names: st.fixed_dictionaries({name: fields[name] for name in names})
+    )
+    nearly = st.tuples(valid, extra).map(lambda t: {**t[0], **t[1]})
+    dumped = st.one_of(nearly, nearly, st.fixed_dictionaries({}, optional=fields)).map(
+        lambda d: (json.dumps(d).encode(), d)
+    )
+    whole = anything.map(lambda v: (json.dumps(v).encode(), v))
+    raw = st.binary(max_size=120).map(lambda b: (b, b))
+    route = st.sampled_from(OPENAI_ROUTES)
+    return st.tuples(route, st.one_of(dumped, whole, raw)).map(lambda t: (t[0], *t[1]))
+
+
+async def fuzz_openai_api(base_url: str, examples: int, seed: int | None = None) -> FuzzReport:
+    """POSTs generated bodies to the generation routes at `base_url` (http://host:port); every
+    answer must be one of _HTTP_ANSWERS with OpenAI's error JSON, and a 200 stream must end
+    with `data: [DONE]` or an error event that is not the server's own fault."""
+    import json
+
+    import httpx
+
+    report = FuzzReport()
+    loop = asyncio.get_running_loop()
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+
+        async def send(item: tuple[str, bytes, object]) -> None:
+            route, body, example = item
+            headers = {"content-type": "application/json"}
+            resp = await http.post(route, content=body, headers=headers)
+            code = str(resp.status_code)
+            if resp.status_code != 200:
+                error = resp.json().get("error", {}) if resp.headers.get("content-type") == "application/json" else {}
+                if not {"message", "type", "param", "code"} <= set(error):
+                    code += " without OpenAI's error JSON"
+            elif resp.headers.get("content-type", "").startswith("text/event-stream"):
+                events = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e.startswith("data: ")]
+                last = events[-1] if events else ""
+                if last != "[DONE]" and json.loads(last or "{}").get("error", {}).get("type") in (None, "server_error"):
+                    code += f" stream ending with {last[:120]!r}"
+            allowed = [str(c) for c in _HTTP_ANSWERS]
+            report.add(route, code, allowed, example)
+
+        await asyncio.to_thread(run_examples, loop, openai_bodies(), send, examples, seed)
+    return report
+
+
 @dataclass
 class LeaseHolder:
     """The fuzzer holds the worker's lease like a scheduler; a Warmup renews the session."""

@@ -409,6 +409,13 @@ def _error(resp: httpx.Response, status: int) -> dict:
         ("/completions", {"prompt": "x", "user": "u" * 300}, "user"),
         ("/completions", {"prompt": [10**9]}, "prompt"),
         ("/completions", {"prompt": [1, True]}, "prompt"),  # JSON true is no token id
+        # past the wire's integer ranges (found by tests/faults/test_fuzz.py: these were a 500)
+        ("/completions", {"prompt": "x", "max_tokens": -2}, "max_tokens"),
+        ("/completions", {"prompt": [5, -1]}, "prompt"),
+        ("/completions", {"prompt": "x", "seed": 2**64}, "seed"),
+        ("/completions", {"prompt": "x", "priority": 2**40}, "priority"),
+        ("/completions", {"prompt": "x", "top_k": 2**32}, "top_k"),
+        ("/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
         ("/chat/completions", {"messages": []}, "messages"),
         ("/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
