@@ -9,6 +9,7 @@ Sluice policy the plug-in runs, predicts each request's completion time.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import statistics
@@ -83,6 +84,24 @@ def fit_profile(samples: list[StepSample], model: ModelSpec, block_size: int) ->
     created = datetime.now(UTC).isoformat(timespec="seconds")
     profile = WorkerProfile(model, "cpu", "bfloat16", block_size, created, steps=samples)
     return FittedCostModel(profile)
+
+
+def speed_level(cost_model: FittedCostModel, samples: Sequence[StepSample]) -> float:
+    """The median of measured over priced step time on `samples`: how much slower (> 1) or
+    faster the engine ran then than when `cost_model`'s steps were measured."""
+    ratios = [s.time_s / t for s in samples if (t := cost_model.iteration_time(s.shape)) > 0]
+    if not ratios:
+        raise ValueError("no busy step to measure the engine's speed on")
+    return statistics.median(ratios)
+
+
+def at_speed(cost_model: FittedCostModel, level: float) -> FittedCostModel:
+    """`cost_model` with every step `level` times as long (the shape of its prices kept: a
+    shared machine's drift slows every step alike, and a round's own steps are too few and too
+    alike to fit the shape on)."""
+    scaled = copy.copy(cost_model)
+    scaled.coef = tuple(c * level for c in cost_model.coef)
+    return scaled
 
 
 @dataclass(frozen=True)

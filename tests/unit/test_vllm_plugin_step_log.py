@@ -15,11 +15,13 @@ from sluice.contract.profile import BatchShape, StepSample
 from sluice_bench.vllm_plugin_harness import TINY_MODEL, build_scheduler, make_request, step
 from sluice_bench.vllm_plugin_predict import (
     SentRequest,
+    at_speed,
     busy_samples,
     fit_profile,
     model_spec,
     predict_jct,
     read_steps,
+    speed_level,
 )
 from sluice_vllm.scheduler import SluiceScheduler
 
@@ -90,6 +92,25 @@ def test_simulator_priced_by_the_engine_steps_predicts_queueing_at_the_seat_limi
     # shortest predicted first: ALISE finishes the short answers before a long one that came first
     mixed = [SentRequest("long", 0.0, 64, 200, 0), *(SentRequest(f"s{i}", 0.0, 64, 10, 0) for i in range(4))]
     assert jct(mixed, "alise")["s3"] < jct(mixed, "fcfs")["s3"]
+
+
+def test_a_round_slower_than_the_burst_is_priced_at_its_own_speed() -> None:
+    """The profile's shape from the burst, its level from a later round's steps: a round whose
+    engine ran 1.5x slower (a shared machine's drift) is priced 1.5x, its JCTs with it."""
+    spec = model_spec(Path(TINY_MODEL), 2048)
+    burst = fit_profile(synthetic_profile(0.01, 1e-5), spec, 32)
+    later = synthetic_profile(0.015, 1.5e-5)[::3]  # the same shapes' steps, 1.5x as long, fewer of them
+    level = speed_level(burst, later)
+    assert level == pytest.approx(1.5, rel=0.03)
+    slower = at_speed(burst, level)
+    shape = later[0].shape
+    assert slower.iteration_time(shape) == pytest.approx(1.5 * burst.iteration_time(shape), rel=1e-9)
+    assert burst.iteration_time(shape) == pytest.approx(later[0].time_s / 1.5, rel=0.05), "the burst's model unchanged"
+    one = [SentRequest("x", 0.0, 64, 20, 0)]
+    shape_args = {"num_blocks": 4096, "block_size": 32, "max_num_seqs": 4, "max_num_batched_tokens": 1024}
+    fast = predict_jct("fcfs", one, burst, max_model_len=2048, **shape_args)["x"]
+    slow = predict_jct("fcfs", one, slower, max_model_len=2048, **shape_args)["x"]
+    assert slow == pytest.approx(1.5 * fast, rel=0.05)
 
 
 def test_step_log_keeps_each_step_when_the_async_scheduler_runs_ahead(tmp_path: Path) -> None:
