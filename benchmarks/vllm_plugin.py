@@ -446,14 +446,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def predict(results: dict[str, Any], step_log: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """The simulator's median JCT for every run of a policy with a Sluice counterpart, priced
+    """The simulator's median JCT for every run (vLLM's loop with the run's plug-in policy,
+    the requests with the hints they carried, sluice_bench/vllm_plugin_emulation.py), priced
     two ways: by a profile fitted on the FCFS engine's steps during the calibration burst only
     ("burst"), and by that profile at the engine's speed of the run's own round ("round": the
     median measured / priced step time of the FCFS plug-in's run at the same load and seed, a
     few minutes and other servers' runs away from the burst; the other schedulers' runs of the
     round are held out of it, the FCFS run's own step times set its level)."""
     from sluice_bench.vllm_plugin_predict import (
-        SIM_POLICY,
         SentRequest,
         at_speed,
         busy_samples,
@@ -475,14 +475,15 @@ def predict(results: dict[str, Any], step_log: Path, args: argparse.Namespace) -
     fcfs_runs = results["policies"]["fcfs"]
     for rate in results["rates"]:
         for k, fcfs in enumerate(fcfs_runs.get(f"{rate}_runs", [])):
+            slos = {item.rid: slo_of(item) for item in make_trace(rate, args.requests, seed=7 + k)}  # as sent
             level = speed_level(cost_model, busy_samples(steps, *fcfs["window"]))
             out["speed_levels"][f"{rate}#{k}"] = level
             for name, by_rate in results["policies"].items():
                 runs = by_rate.get(f"{rate}_runs", [])
-                if name not in SIM_POLICY or k >= len(runs):
+                if k >= len(runs):
                     continue
                 m = runs[k]
-                sent = [SentRequest(rid, t, p, o, pr) for rid, t, p, o, pr, _ in m["sent"]]
+                sent = [SentRequest(rid, t, p, o, pr, slos[rid]) for rid, t, p, o, pr, _ in m["sent"]]
                 measured = {rid: jct for rid, *_, jct in m["sent"]}
                 shape = {
                     "num_blocks": KV_BYTES // (spec.kv_bytes_per_token_per_gpu * BLOCK_SIZE),

@@ -19,22 +19,22 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from scheduler_service.cluster.deployment import SYNCHRONOUS_UNBOUNDED
+from scheduler_service.core.slo import SLOSpec
 from scheduler_service.costmodel.fitted import FittedCostModel
 from scheduler_service.sim.simulator import SimConfig, Simulation
 from scheduler_service.workloads import TraceRequest, Workload
 from sluice.contract.profile import BatchShape, ModelSpec, StepSample, WorkerProfile
+from sluice_bench.vllm_plugin_emulation import emulating
 
-# The Sluice policy each plug-in policy decides with (vLLM V1's loop is chunked prefill with
-# decodes first and per-chunk KV allocation; the plug-in cannot price chunks in time).
-SIM_POLICY = {
-    "vllm": "vllm_chunked:allocate_whole_prompt=false",
-    "fcfs": "vllm_chunked:allocate_whole_prompt=false",
-    "priority": "vllm_chunked:allocate_whole_prompt=false,priority=true",
-    "sarathi:budget=128": "sarathi:budget=128,allocate_whole_prompt=false,price_in_time=false",
-    "alise": "alise:hybrid=true",
-    "fastserve": "fastserve",
-    "accelgen": "accelgen",
-}
+
+def sim_policy(plugin_policy: str) -> str:
+    """The simulator's policy for a `SLUICE_VLLM_POLICY` (or "vllm", vLLM's own scheduler): vLLM's
+    loop with that plug-in policy's decisions (sluice_bench/vllm_plugin_emulation.py)."""
+    name, _, rest = plugin_policy.partition(":")
+    if name == "vllm":
+        return "vllm_plugin:plugin=fcfs"
+    options = [f"plugin_{item}" for item in rest.split(",") if item]
+    return ",".join([f"vllm_plugin:plugin={name}", *options])
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,7 @@ class SentRequest:
     prompt_tokens: int
     output_tokens: int
     priority: int
+    slo: SLOSpec | None = None  # the SLO hints it carried (vllm_xargs)
 
 
 def predict_jct(
@@ -124,16 +125,18 @@ def predict_jct(
     max_num_batched_tokens: int,
     max_model_len: int,
 ) -> dict[str, float]:
-    """Request id -> simulated completion time (last token minus arrival), the plug-in policy
-    `policy` decided by its Sluice counterpart on one worker priced by `cost_model`."""
+    """Request id -> simulated completion time (last token minus arrival) of the requests run
+    through vLLM's loop with the plug-in policy `policy` (or vLLM's own, "vllm") on one worker
+    priced by `cost_model`."""
     t0 = min(r.sent_s for r in requests)
     trace = [
-        TraceRequest(r.rid, r.sent_s - t0, r.prompt_tokens, r.output_tokens, priority=r.priority) for r in requests
+        TraceRequest(r.rid, r.sent_s - t0, r.prompt_tokens, r.output_tokens, slo=r.slo, priority=r.priority)
+        for r in requests
     ]
     bytes_per_block = cost_model.model.kv_bytes_per_token_per_gpu * block_size
     config = SimConfig(
         **SYNCHRONOUS_UNBOUNDED,  # vLLM on CPU: steps one after another, no waiting bound
-        policy=SIM_POLICY[policy],
+        policy=sim_policy(policy),
         block_size=block_size,
         kv_gb=num_blocks * bytes_per_block / 2**30,
         max_num_seqs=max_num_seqs,
@@ -142,7 +145,8 @@ def predict_jct(
         swap_space_gib=0.0,
         length_source="oracle",  # every request carries its true length as its hint
     )
-    sim = Simulation(config, Workload("vllm-plugin", trace), cost_model)
+    with emulating():
+        sim = Simulation(config, Workload("vllm-plugin", trace), cost_model)
     jct: dict[str, float] = {}
     record_finish = sim.metrics.on_finish
 
@@ -153,7 +157,8 @@ def predict_jct(
 
     # NOTE: an observer on the recorder the schedulers hold: the simulator keeps aggregates only
     sim.metrics.on_finish = on_finish  # type: ignore[method-assign]
-    sim.run()
+    with emulating():
+        sim.run()
     return jct
 
 

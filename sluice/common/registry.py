@@ -6,6 +6,7 @@ plug-in's policies. Adding one is a new module plus one `@REGISTRY.register("nam
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -28,6 +29,16 @@ class Registry(Generic[T]):
             return self.add(name, item)
 
         return add
+
+    @contextmanager
+    def registered(self, name: str, item: T) -> Iterator[T]:
+        """`item` under `name` while the block runs: an extension only a harness uses (the
+        simulator's model of the vLLM plug-in) is never listed to users or to other code."""
+        self.add(name, item)
+        try:
+            yield item
+        finally:
+            del self._items[name]
 
     def alias(self, alias: str, name: str) -> None:
         """`alias` answers for the registered `name`."""

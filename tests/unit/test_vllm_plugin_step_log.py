@@ -89,9 +89,12 @@ def test_simulator_priced_by_the_engine_steps_predicts_queueing_at_the_seat_limi
     burst = jct([SentRequest(f"r{i}", 0.0, 64, 20, 0) for i in range(8)])
     first, second = sorted(burst.values())[:4], sorted(burst.values())[4:]
     assert max(first) < 0.3 and min(second) > 1.8 * max(first) * 0.9
-    # shortest predicted first: ALISE finishes the short answers before a long one that came first
-    mixed = [SentRequest("long", 0.0, 64, 200, 0), *(SentRequest(f"s{i}", 0.0, 64, 10, 0) for i in range(4))]
-    assert jct(mixed, "alise")["s3"] < jct(mixed, "fcfs")["s3"]
+    # shortest predicted first: the ALISE plug-in admits the short answers before a long one that
+    # came first (s0 arrives first and runs at once; the others arrive during its first step)
+    order = (("s0", 10), ("long", 200), ("s1", 10), ("s2", 10), ("s3", 10), ("s4", 10))
+    mixed = [SentRequest(rid, i * 1e-4, 64, n, 0) for i, (rid, n) in enumerate(order)]
+    alise, fcfs = jct(mixed, "alise"), jct(mixed, "fcfs")
+    assert alise["s3"] < fcfs["s3"] and alise["long"] > fcfs["long"]
 
 
 def test_a_round_slower_than_the_burst_is_priced_at_its_own_speed() -> None:

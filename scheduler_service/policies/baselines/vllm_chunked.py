@@ -19,6 +19,7 @@ Configuration: budget, watermark, preemption_mode, priority.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from scheduler_service.core.policy import POLICIES, Policy, PolicyConfig, PolicyContext
@@ -78,11 +79,19 @@ class ChunkedPrefillPolicy(Policy):
         """Running sequences at most (FastGen caps them below the engine's max_num_seqs)."""
         return self.ctx.max_num_seqs
 
+    def running_queue(self, step: StepBuilder) -> deque[Request]:
+        """The running requests in the order they are served; victims come off the right end."""
+        running = victim_order(list(step.running.values()), self.config.priority)
+        # Decodes first, then ongoing prefills (the newest prefills are the first victims).
+        return deque([r for r in running if not r.is_prefill] + [r for r in running if r.is_prefill])
+
+    def admission_order(self, step: StepBuilder) -> Iterator[Request]:
+        """The waiting requests in the order they are admitted (admission stops at the first that does not fit)."""
+        return waiting_order(step, self.config.priority)
+
     def schedule(self, step: StepBuilder, now: float) -> None:
         mode = preemption_mode(self.config)
-        running = victim_order(list(step.running.values()), self.config.priority)
-        # Decodes first, then ongoing prefills; victims come off the right end (newest prefills).
-        queue = deque([r for r in running if not r.is_prefill] + [r for r in running if r.is_prefill])
+        queue = self.running_queue(step)
         limit = (lambda r: self.chunk_limit(step, r, r.num_tokens_to_compute)) if self.step_time_s else None
         while (req := step.schedule_covered(queue, chunk_to_budget=True, prefill_limit=limit)) is not None:
             n = min(req.num_tokens_to_compute, step.budget.remaining_tokens)
@@ -97,7 +106,7 @@ class ChunkedPrefillPolicy(Policy):
 
     def _admit_new(self, step: StepBuilder) -> None:
         mode = preemption_mode(self.config)
-        for req in waiting_order(step, self.config.priority):
+        for req in self.admission_order(step):
             left = step.budget.remaining_tokens
             if left <= 0 or len(step.running) >= self.seat_limit():
                 break
