@@ -259,7 +259,7 @@ class QueuePolicy(Policy):
         else:
             self.fill_batch(step, admit_waiting=self.hybrid_batches)
             scheduled = step.scheduled
-            idle = [r for r in step.running.values() if r.request_id not in scheduled]
+            idle = [r for rid, r in step.running.items() if rid not in scheduled]
             if idle:
                 step.pause(idle, PreemptionReason.PRIORITY)
                 self.stats["priority_pauses"] += len(idle)
@@ -384,8 +384,10 @@ class QueuePolicy(Policy):
         self.admitted = []
         skipped: list[Request] = []
         budget, queues = step.budget, self.queues
-        pop_before, run_kv_job, run_covered = kv_jobs.pop_before, self._run_kv_job, kv_jobs.run_covered
+        run_kv_job, run_covered = self._run_kv_job, kv_jobs.run_covered
         covered, resumed = step.schedule_if_covered, step.resume_if_covered
+        tokens_to_compute = step.tokens_to_compute
+        heaps, counts, sums, heappop = queues.heaps, queues.counts, queues.sums, heapq.heappop
         waiting_open = admit_waiting
         head: Request | None = None
         head_rank: Rank | None = None  # a KV job runs first if it ranks at or before it (None: no head)
@@ -396,23 +398,45 @@ class QueuePolicy(Policy):
             elif peeked != queues.changes:
                 # NOTE: re-peeked only when the queues moved (a pop, or a job an eviction
                 # sent back to recompute): most of a step is running jobs ranked ahead.
-                head = queues.peek()
-                head_rank = self.filed_rank(head) if head is not None else None
+                # `queues.peek()` and `filed_rank`, inlined (40 to 250 heads a step)
+                head = head_rank = None
+                for heap in heaps:
+                    while heap:
+                        top = heap[0]
+                        st = top[3].policy_state
+                        if st.in_heap and st.version == top[2]:
+                            head, head_rank = top[3], (st.level, st.key, st.seq)
+                            break
+                        heappop(heap)
+                    if head is not None:
+                        break
                 peeked = queues.changes
             # NOTE: most of a step: the KV holders ranked ahead of the waiting head, each
             # scheduled (a kept one resumed too) in one call when its blocks cover its step
             job = run_covered(head_rank, budget, covered, resumed)
-            if job is None:
-                if budget.num_seqs >= budget.max_seqs or budget.num_tokens >= budget.max_tokens:
-                    break
-                job = pop_before(head_rank)
             if job is not None:
                 run_kv_job(step, job, kv_jobs)
                 continue
-            if head is None:
+            # NOTE: with seats and tokens left, `run_covered` stopped at a job ranked after the
+            # head, or none is left: `pop_before(head_rank)` would answer None too
+            if head is None or budget.num_seqs >= budget.max_seqs or budget.num_tokens >= budget.max_tokens:
                 break
-            queues.take(head)  # NOTE: peeked when `changes` was what it is now
-            verdict = self._admit(step, head, kv_jobs)
+            # NOTE: `queues.take(head)` (peeked when `changes` was what it is now), inlined
+            st = head.policy_state
+            heappop(heaps[st.level])
+            st.in_heap = False
+            st.version += 1
+            queues.changes += 1
+            counts[st.level] -= 1
+            sums[st.level] -= st.weight
+            n = tokens_to_compute(head)
+            if n <= budget.max_tokens and budget.num_tokens + n > budget.max_tokens:
+                # NOTE: `_admit`'s answer (False) for a prompt the tokens left cannot hold (a seat
+                # is free here), without the call: about 30 heads a step
+                skipped.append(head)
+                waiting_open = len(skipped) < MAX_SKIPPED_WAITING
+                continue
+            verdict = self._admit(step, head, kv_jobs, n)
             if verdict and step.is_scheduled(head):
                 self.admitted.append(head)
             elif verdict is None:  # memory short and new jobs must wait (defer)
@@ -461,23 +485,30 @@ class QueuePolicy(Policy):
             step.resume(req)
         step.schedule(req, n)
 
-    def _admit(self, step: StepBuilder, req: Request, victims: Victims) -> bool | None:
-        """Admits a waiting job with its whole prompt (hybrid batch, no chunking).
-        False: it does not fit this step; None: memory is short and it must wait."""
-        n = step.tokens_to_compute(req)
-        if n > step.budget.max_tokens:
+    def _admit(self, step: StepBuilder, req: Request, victims: Victims, n: int | None = None) -> bool | None:
+        """Admits a waiting job with its whole prompt (hybrid batch, no chunking); `n`: its
+        `step.tokens_to_compute` when the caller has it. False: it does not fit this step;
+        None: memory is short and it must wait."""
+        if n is None:
+            n = step.tokens_to_compute(req)
+        budget = step.budget
+        if n > budget.max_tokens:
             step.finish(req, RequestStatus.FINISHED_REJECTED, f"prompt_too_long: {n} tokens exceed the token budget")
             return True
-        if not step.budget.can_fit(n):
+        if budget.num_seqs >= budget.max_seqs or budget.num_tokens + n > budget.max_tokens:  # not budget.can_fit(n)
             return False
         kv = step.kv
-        if kv.num_blocks_for(req.num_tokens) + int(self.config.watermark * kv.gpu.num_blocks) > kv.gpu.num_blocks:
+        gpu = kv.gpu
+        num_tokens = req.num_prompt_tokens + req.num_output_tokens
+        watermark = int(self.config.watermark * gpu.num_blocks)
+        if kv.num_blocks_for(num_tokens) + watermark > gpu.num_blocks:
             step.finish(req, RequestStatus.FINISHED_REJECTED, "unschedulable: prompt needs more KV than the worker has")
             return True
-        need = step.num_new_blocks(req, req.num_tokens) + int(self.config.watermark * kv.gpu.num_blocks)
-        if not self._make_room(step, need, victims, new_job=True, swap_only=True):
+        need = step.num_new_blocks(req, num_tokens) + watermark
+        # NOTE: `_make_room` returns True at once when the blocks are free (most admissions)
+        if gpu.num_available() < need and not self._make_room(step, need, victims, new_job=True, swap_only=True):
             return None if self.memory is MemoryMode.DEFER else False
-        return step.schedule(req, n, cover=req.num_tokens)
+        return step.schedule(req, n, cover=num_tokens)
 
     def _make_room(
         self, step: StepBuilder, need_blocks: int, victims: Victims, *, new_job: bool, swap_only: bool

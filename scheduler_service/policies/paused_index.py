@@ -78,8 +78,12 @@ class PausedIndex:
         if lo or hi < len(entries):
             # NOTE: only the consumed ends are checked (a job in the middle changed only if
             # touched): an entry stays while its job is paused and it is still the job's entry.
-            # The survivors of each end stay in order on their side of the untouched middle.
-            entries = _survivors(entries[:lo]) + entries[lo:hi] + _survivors(entries[hi:])
+            # The survivors of each end stay in order on their side of the untouched middle,
+            # written over the ends in place (no copy of the thousands of entries between).
+            if hi < len(entries):
+                entries[hi:] = _survivors(entries[hi:])
+            if lo:
+                entries[:lo] = _survivors(entries[:lo])
         for e in self.gone:
             i = bisect_left(entries, e)
             if i < len(entries) and entries[i] is e:

@@ -206,6 +206,27 @@ def test_euclidean_rule_picks_the_candidate_nearest_the_free_point() -> None:
     assert cands.nearest(1, 100) == (None, False)
 
 
+def test_euclidean_rule_places_decodes_that_need_a_block_first_then_the_covered_ones() -> None:
+    """Algorithm 2 over decodes alone: every decode is the point (1, D_m), so the nearest to the
+    free point is one that takes a block while the free KV holds one, and the covered ones
+    (D_m = 0) come after; inside each group the window's last (least urgent) goes first."""
+    sched = make_scheduler(spec())  # 4-token blocks
+    prompts = {"a": 4, "b": 3, "c": 8, "d": 6, "e": 10, "f": 12}  # a, c and f fill their last block
+    for rid, n in prompts.items():
+        sched.add_request(make_request(rid, n, 5, slo=ttft(10.0, tbt=10.0)), 0.0)  # none urgent
+    first, _ = step(sched, 0.0)
+    assert first.num_scheduled_tokens == prompts  # every prompt whole (43 tokens of the 64)
+    # the decodes return with equal deadlines: the window is the first step's batch order
+    window = list(first.num_scheduled_tokens)
+    plan, _ = step(sched, 0.02)
+    needs_block = [r for r in window if prompts[r] % 4 == 0]
+    covered = [r for r in window if prompts[r] % 4]
+    assert list(plan.num_scheduled_tokens) == needs_block[::-1] + covered[::-1]
+    assert set(plan.num_scheduled_tokens.values()) == {1}
+    assert policy(sched).stats["alg2_decodes"] == 6
+    finish(sched)
+
+
 def test_batching_prefers_the_request_that_fills_the_budget_over_queue_order() -> None:
     sched = make_scheduler(spec())
     for rid, n in (("y", 40), ("z", 20), ("x", 60)):

@@ -188,6 +188,7 @@ class DeadlineIndex:
 
     def __init__(self) -> None:
         self._heaps: tuple[list[tuple[float, int, str]], ...] = ([], [], [])
+        self.holders = self._heaps[RUNNING]  # the KV holders' heap (a policy's loop pops it inline)
         self._seq = 0
         self.states: dict[str, AccelGenState] = {}
 
