@@ -70,7 +70,6 @@ from worker_service.lease import DEFAULT_LEASE_TTL_S, LEASE_LEFT_KEY, Lease, Lea
 from worker_service.plan_check import StepPlanError
 from worker_service.step_pipeline import EnginePipeline, void_step
 from worker_service.step_reader import Incoming, StepReader
-from worker_service.write_behind import written_behind
 
 log = logging.getLogger(__name__)
 
@@ -537,38 +536,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         yield response
                         self.lease.renew_if_holder(session)
                 return
-            # NOTE: the next step runs while this one's answer is written (worker_service/write_behind.py).
-            async with contextlib.aclosing(
-                written_behind(self._answers(reader, finished, context, session))
-            ) as answers:
-                async for response in answers:
-                    yield response
-                    self.lease.renew_if_holder(session)
+            failed = 0  # the last step on this stream that failed or was void
+            async for incoming in reader:
+                # NOTE: checked per step, not only at the stream's start: a later Warmup (the lease
+                # lapsed and another scheduler took the worker) ends this session's stream.
+                await self._check_lease(context, session)
+                msg = incoming.msg
+                if failed and msg.follows_step_id == failed:
+                    response = void_step(msg)
+                    finished.observe_result(0, {})
+                else:
+                    response = await self._step(incoming, finished)
+                if response.HasField("error"):
+                    failed = msg.step_id
+                yield response
+                self.lease.renew_if_holder(session)
         finally:
             await reader.close()
-
-    async def _answers(
-        self,
-        reader: StepReader,
-        finished: FinishedFilter,
-        context: grpc.aio.ServicerContext,
-        session: str | None,
-    ) -> AsyncIterator[worker_pb2.ExecuteResponse]:
-        """One step at a time: each plan of the stream run (or refused) and answered, in order."""
-        failed = 0  # the last step on this stream that failed or was void
-        async for incoming in reader:
-            # NOTE: checked per step, not only at the stream's start: a later Warmup (the lease
-            # lapsed and another scheduler took the worker) ends this session's stream.
-            await self._check_lease(context, session)
-            msg = incoming.msg
-            if failed and msg.follows_step_id == failed:
-                response = void_step(msg)
-                finished.observe_result(0, {})
-            else:
-                response = await self._step(incoming, finished)
-            if response.HasField("error"):
-                failed = msg.step_id
-            yield response
 
     async def Release(
         self, request: worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
