@@ -17,6 +17,13 @@ each metric is reported per round and as the ratio to (a) within the round.
 
     python -m benchmarks.vllm_engine --model tiny-llama --rounds 3 --json out.json
 
+`--baseline DIR` (a checkout of another revision, `git worktree add DIR REV`) also runs (b) from
+that tree, as `sluice+vllm@baseline`, in the same turns, and reports this tree's (b) over it round
+by round: a change to the worker or scheduler measured against the tree before it, side by side.
+`--pin` gives each model runner a core of its own: (b)'s worker (`--worker-cpus`) and (a) on the
+last core, (b)'s scheduler and this client on the others. Offline rounds also report CPU per
+output token and the share of the wall time the measured process ran (their product with tok/s).
+
 Offline: all requests at once; output tokens/s from the first request sent to the last token.
 Online: Poisson arrivals at --rate; TBT is every gap between two tokens of a request, E2E the
 arrival to the last token.
@@ -46,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"sluice scheduler listening on ([\d.]+):(\d+)")
 GATEWAY = re.compile(r"sluice OpenAI API at (http://[\d.]+:\d+/v1)")
 HTTP_ENGINES = ("vllm-serve", "sluice+vllm-http")  # online only: served over OpenAI HTTP
+BASELINE = "@baseline"  # suffix of an engine run from the --baseline tree
 BLOCK = 32
 
 
@@ -159,16 +167,19 @@ class SluiceServe:
         compile_model: bool,
         policy: str = "vllm",
         http: bool = False,
+        root: Path = ROOT,
+        extra: Sequence[str] = (),
     ) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", "--port", "0", "--workers", "1", "--engine", engine]
         cmd += ["--http-port", "0"] if http else []
         cmd += ["--model", model, "--dtype", dtype, "--num-gpu-blocks", str(num_blocks), "--worker-threads", "1"]
         cmd += ["--policy", policy, "--no-start-predictor", "--connect-timeout-s", "300"]
         cmd += [] if compile_model else ["--no-vllm-compile"]
+        cmd += extra
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
         self.engine = engine
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True
+            cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True
         )
         assert self.proc.stdout is not None
         self.address = self.base_url = ""
@@ -411,6 +422,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true", help="vLLM eager in (a) and (b) (its default compiles)")
     p.add_argument("--json", help="write the per-round results here")
     p.add_argument(
+        "--pin",
+        action="store_true",
+        help="each model runner on a core of its own: (b)'s worker (--worker-cpus) and (a) on the last core, "
+        "(b)'s scheduler (--scheduler-cpus) and this client on the others",
+    )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="a checkout of another revision: its (b) runs beside this tree's as sluice+vllm@baseline",
+    )
+    p.add_argument(
         "--policies",
         help="instead of the comparison: (b) once per policy (comma-separated, the first is the token reference)",
     )
@@ -428,7 +450,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_json({"args": vars(args), "policies": rows}, args.json, indent=2, quiet=True)
         return 0
     names = args.engines.split(",")
+    if args.baseline is not None and "sluice+vllm" in names:
+        names.insert(names.index("sluice+vllm") + 1, "sluice+vllm" + BASELINE)
     compile_model = not args.no_compile
+    cores = sorted(os.sched_getaffinity(0))
+    runner_core, rest = {cores[-1]}, set(cores[:-1]) or set(cores)
+    pin_flags = ["--worker-cpus", str(cores[-1]), "--scheduler-cpus", ",".join(map(str, sorted(rest)))]
     print(f"starting {names} for {args.model} {args.dtype}", flush=True)
     runners: dict[str, object] = {}
     try:
@@ -438,9 +465,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif name == "vllm-serve":
                 runners[name] = VllmServe(model_directory(args.model), args.dtype, args.num_blocks, compile_model)
             else:
-                engine = name.split("+")[1].removesuffix("-http")
+                engine = name.split("+")[1].removesuffix(BASELINE).removesuffix("-http")
                 runners[name] = SluiceServe(
-                    engine, args.model, args.dtype, args.num_blocks, compile_model, http=name.endswith("-http")
+                    engine,
+                    args.model,
+                    args.dtype,
+                    args.num_blocks,
+                    compile_model,
+                    http=name.endswith("-http"),
+                    root=args.baseline.resolve() if name.endswith(BASELINE) else ROOT,
+                    extra=pin_flags if args.pin else (),
                 )
         warm = make_jobs(4, vocab, None, seed=9)
         for name, runner in runners.items():  # first steps (compilation, allocator) are not measured
@@ -458,11 +492,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if mode == "offline" and name in HTTP_ENGINES:
                         continue  # NOTE: offline throughput is (a) LLM.generate's; HTTP runs are online
                     runner = runners[name]
+                    if args.pin:  # NOTE: this thread only: (a)'s model runs on it, (b)'s client loop too
+                        os.sched_setaffinity(0, runner_core if name == "vllm" else rest)
                     if name == "vllm":
                         stats = runner.offline(jobs) if mode == "offline" else runner.online(jobs)  # type: ignore[attr-defined]
                     else:
                         stats = runner.run(jobs, online=mode == "online")  # type: ignore[attr-defined]
                     row[name] = stats
+                    os.sched_setaffinity(0, cores)
                     print(
                         f"round {r} {mode} {name}: {json.dumps({k: round(v, 3) for k, v in stats.items()})}", flush=True
                     )
@@ -496,6 +533,22 @@ def report(results: list[dict[str, object]], names: Sequence[str]) -> None:
                 rounds = ", ".join(f"{x:.3f}" for x in cpu)
                 print(f"offline CPU per token {reference} process / {name} worker: median "
                       f"{statistics.median(cpu):.3f} (rounds {rounds}; higher is better)")  # fmt: skip
+                # NOTE: CPU per token times tokens/s: the share of the wall time the process ran (all
+                # its threads); tokens/s is CPU per token over this share, so the two split a gap.
+                for who in (reference, name):
+                    share = [r[who]["cpu_ms_per_token"] * r[who]["output_tok_s"] / 1e3 for r in rows]  # type: ignore[index]
+                    print(f"offline running share of {who}: median {statistics.median(share):.3f} "
+                          f"(rounds {', '.join(f'{x:.3f}' for x in share)})")  # fmt: skip
+        base = next((n for n in names if n.endswith(BASELINE)), None)
+        if base is not None and rows and base in rows[0]:
+            name = base.removesuffix(BASELINE)
+            ratios = [r[name][key] / r[base][key] for r in rows]  # type: ignore[index]
+            print(f"{mode} {key} {name}/{base}: median {statistics.median(ratios):.3f} "
+                  f"(rounds {', '.join(f'{x:.3f}' for x in ratios)}; {better} is better)")  # fmt: skip
+            if mode == "offline" and "cpu_ms_per_token" in rows[0][base]:  # type: ignore[operator]
+                cpu = [r[base]["cpu_ms_per_token"] / r[name]["cpu_ms_per_token"] for r in rows]  # type: ignore[index]
+                print(f"offline CPU per token {base} worker / {name} worker: median {statistics.median(cpu):.3f} "
+                      f"(rounds {', '.join(f'{x:.3f}' for x in cpu)}; higher is better)")  # fmt: skip
 
 
 if __name__ == "__main__":
