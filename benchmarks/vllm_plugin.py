@@ -403,6 +403,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tokens = sum(r.tokens for r in res)
             m["cpu_s_per_token"] = (servers[name].cpu_s() - cpu) / max(tokens, 1)
             m["window"] = [started, time.monotonic()]
+            m["seed"] = seed  # the trace's: the prediction rebuilds each request's hints from it
             return m
 
         def save() -> None:
@@ -472,10 +473,17 @@ def predict(results: dict[str, Any], step_log: Path, args: argparse.Namespace) -
     cost_model = fit_profile(samples, spec, BLOCK_SIZE)
     fit = cost_model.fit_report()
     out: dict[str, Any] = {"profile_steps": len(samples), "profile_mape": fit.mape, "runs": [], "speed_levels": {}}
+    shape = {
+        "num_blocks": KV_BYTES // (spec.kv_bytes_per_token_per_gpu * BLOCK_SIZE),
+        "block_size": BLOCK_SIZE,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+        "max_model_len": MAX_MODEL_LEN,
+    }
     fcfs_runs = results["policies"]["fcfs"]
     for rate in results["rates"]:
         for k, fcfs in enumerate(fcfs_runs.get(f"{rate}_runs", [])):
-            slos = {item.rid: slo_of(item) for item in make_trace(rate, args.requests, seed=7 + k)}  # as sent
+            slos = {item.rid: slo_of(item) for item in make_trace(rate, args.requests, fcfs["seed"])}  # as sent
             level = speed_level(cost_model, busy_samples(steps, *fcfs["window"]))
             out["speed_levels"][f"{rate}#{k}"] = level
             for name, by_rate in results["policies"].items():
@@ -485,13 +493,6 @@ def predict(results: dict[str, Any], step_log: Path, args: argparse.Namespace) -
                 m = runs[k]
                 sent = [SentRequest(rid, t, p, o, pr, slos[rid]) for rid, t, p, o, pr, _ in m["sent"]]
                 measured = {rid: jct for rid, *_, jct in m["sent"]}
-                shape = {
-                    "num_blocks": KV_BYTES // (spec.kv_bytes_per_token_per_gpu * BLOCK_SIZE),
-                    "block_size": BLOCK_SIZE,
-                    "max_num_seqs": args.max_num_seqs,
-                    "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-                    "max_model_len": MAX_MODEL_LEN,
-                }
                 live, sim, err = median_error(measured, predict_jct(name, sent, cost_model, **shape))
                 _, sim_round, err_round = median_error(
                     measured, predict_jct(name, sent, at_speed(cost_model, level), **shape)

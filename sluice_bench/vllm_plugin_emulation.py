@@ -34,7 +34,7 @@ from scheduler_service.policies.decisions import is_offline_slo
 from sluice.common.config import config_from_options
 from sluice.contract.plan import StepPlan, StepResult
 from sluice_vllm.hints import Hints
-from sluice_vllm.policies import Job, Limits, PluginPolicy, build_policy
+from sluice_vllm.policies import RANK, Job, Limits, PluginPolicy, build_policy
 
 PLUGIN_OPTION = "plugin_"  # vllm_plugin:plugin=sarathi,plugin_budget=128: the plug-in's budget=128
 RUNNING = (RequestStatus.PREFILLING, RequestStatus.DECODING)
@@ -87,6 +87,7 @@ class PluginEmulation(ChunkedPrefillPolicy):
         self._pending_s = 0.0
         self._pending_steps = 0
         self._served: list[str] = []
+        self._ranked: list[Job] = []  # this step's waiting jobs in the plug-in's order
         self._started = 0.0
         kind = type(p)
         self._budgets = kind.token_budget is not PluginPolicy.token_budget
@@ -107,13 +108,15 @@ class PluginEmulation(ChunkedPrefillPolicy):
     def schedule(self, step: StepBuilder, now: float) -> None:
         p, jobs = self.plugin, self.jobs
         self._started = now
-        waiting = [jobs[rid] for rid in step.waiting]
-        running = [jobs[rid] for rid in step.running]
+        # the waiting queue as the plug-in leaves it for vLLM: aged, then sorted by rank (once a step)
+        waiting = [jobs[rid] for rid in step.waiting] if p.reorders_waiting or p.budget_reads_jobs else []
         if p.reorders_waiting and waiting:
             p.before_step(waiting, (), now)
+            waiting.sort(key=RANK)
+        self._ranked = waiting
         if self._budgets:
-            reads = p.budget_reads_jobs
-            budget = p.token_budget(running if reads else [], self._waiting_jobs(step) if reads else [], now)
+            running = [jobs[rid] for rid in step.running] if p.budget_reads_jobs else []
+            budget = p.token_budget(running, waiting if p.budget_reads_jobs else [], now)
             most = self.ctx.max_num_batched_tokens
             step.budget.max_tokens = most if budget is None else min(budget, most)
         if self._caps:
@@ -138,12 +141,12 @@ class PluginEmulation(ChunkedPrefillPolicy):
         return deque(requests)
 
     def admission_order(self, step: StepBuilder) -> Iterator[Request]:
+        if step.num_preempted:
+            return iter(())  # vLLM V1 admits no waiting request in a step that preempted one
         if not self.plugin.reorders_waiting:
-            return super().admission_order(step)  # vLLM's FCFS deque, preempted ones at its head
-        return iter([j.req for j in self._waiting_jobs(step)])  # type: ignore[misc]
-
-    def _waiting_jobs(self, step: StepBuilder) -> list[Job]:
-        return sorted((self.jobs[rid] for rid in step.waiting), key=lambda j: j.rank)
+            return super().admission_order(step)  # vLLM's FCFS deque
+        # NOTE: nothing was preempted, so the waiting queue is still the one sorted before the step
+        return iter([j.req for j in self._ranked])  # type: ignore[misc]
 
     def on_step_result(self, plan: StepPlan, result: StepResult, now: float) -> None:
         p = self.plugin
