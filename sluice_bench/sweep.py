@@ -9,7 +9,10 @@ it in the same process. `fn` must be a module-level function (it is pickled by r
 its results picklable. A progress bar counts finished runs.
 
 Local processes are forked on Linux: the children start with this process's modules and hash
-seed, so nothing a run reads differs from the serial run's. Ray tasks run in Ray's worker
+seed, so nothing a run reads differs from the serial run's. A forked child runs OpenMP libraries
+the parent has used (faiss: the predictor's retrieval history) on one thread: the parent's
+OpenMP worker threads do not exist in the child, and its first parallel region would wait for
+them for ever. Ray tasks run in Ray's worker
 processes, which import the project's packages (on a cluster, the nodes need this project
 installed); a function of a script (a benchmark, a test module) travels by value.
 """
@@ -80,9 +83,18 @@ def _pool_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 
 
+def _after_fork() -> None:
+    """In each pool process: OpenMP libraries the parent loaded run single-threaded (GNU OpenMP
+    does not survive a fork once its thread pool exists; faiss's search then hangs). The runs
+    are one per process already, so no parallelism is lost."""
+    faiss = sys.modules.get("faiss")
+    if faiss is not None:
+        faiss.omp_set_num_threads(1)
+
+
 def _in_processes(fn: Callable[..., R], calls: Sequence[tuple[Any, ...]], jobs: int, bar: tqdm) -> list[R]:
     out: list[Any] = [None] * len(calls)
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context()) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=_pool_context(), initializer=_after_fork) as pool:
         pending: dict[Future, int] = {pool.submit(fn, *args): i for i, args in enumerate(calls)}
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
