@@ -97,7 +97,10 @@ class Cluster:
             self._admit = None
 
     def release_held(self, now: float) -> None:
-        for request, worker in self._router.release(self.loads(), now):
+        router = self._router
+        if not router.held:
+            return  # NOTE: called after every event: no loads built while the router holds nothing
+        for request, worker in router.release(self.loads(), now):
             self._place_or_end(request, worker, now)
 
     # ------------------------------------------------------------------ one step
@@ -271,9 +274,13 @@ class Cluster:
     def next_wakeup(self, now: float, workers: Iterable[int]) -> float | None:
         """When the router or one of these workers' policies wants a step even if nothing
         else happens (e.g. a policy holds requests back until then)."""
-        times = [self._router.next_release(now)] + [self.schedulers[w].policy.next_wakeup(now) for w in workers]
-        due = [t for t in times if t is not None]
-        return min(due) if due else None
+        due = self._router.next_release(now)
+        schedulers = self.schedulers
+        for w in workers:  # NOTE: after every simulated event: no lists built
+            t = schedulers[w].policy.next_wakeup(now)
+            if t is not None and (due is None or t < due):
+                due = t
+        return due
 
     def holds_offline(self, worker: int) -> bool:
         """Whether offline requests from the offline queue are on the worker (O(1) when none are:

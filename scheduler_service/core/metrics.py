@@ -192,12 +192,13 @@ class MetricsRecorder:
         self.forward_tokens += n
         if plan.token_budget:
             self.compute_util_sum += n / plan.token_budget
-        if kv.gpu.num_blocks:
-            self.kv_util_sum += kv.gpu.num_used / kv.gpu.num_blocks
+        gpu = kv.gpu
+        if blocks := gpu.num_blocks:
+            used_blocks = gpu.num_used
+            self.kv_util_sum += used_blocks / blocks
             # NOTE: shared prefix blocks count once per sharer; capping at the allocated
             # tokens keeps "used" within "allocated".
-            capacity = kv.gpu.num_blocks * kv.block_size
-            self.kv_used_sum += min(used_tokens, kv.gpu.num_used * kv.block_size) / capacity
+            self.kv_used_sum += min(used_tokens, used_blocks * kv.block_size) / (blocks * kv.block_size)
         self.busy_s[worker_id] = self.busy_s.get(worker_id, 0.0) + result.total_s
         self.swap_bytes += result.swap_bytes
         if plan.metadata:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from operator import attrgetter
 
 from kvstore.accounting import KVCacheManager
 from scheduler_service.core.budget import TokenBudget
@@ -33,6 +34,8 @@ from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.core.step_outputs import StepOutputs
 from sluice.contract.plan import StepPlan, StepResult
+
+_computed = attrgetter("num_computed_tokens")  # NOTE: summed over the running set every step
 
 
 @dataclass
@@ -209,9 +212,9 @@ class Scheduler:
                 if stop is not None:
                     self.end(req, stop, now)
         if plan.num_scheduled_tokens:
-            used = sum(r.num_computed_tokens for r in self.running.values())
+            used = sum(map(_computed, self.running.values()))
             if self.kept:
-                used += sum(r.num_computed_tokens for r in self.kept.values())
+                used += sum(map(_computed, self.kept.values()))
             self.metrics.on_step(self.worker_id, plan, result, now, self.kv, used)
         self.policy.on_step_committed(plan, now)
         self.policy.on_step_result(plan, result, now)

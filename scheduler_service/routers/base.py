@@ -70,7 +70,8 @@ class Router(ABC):
         """`request` finished on, or was returned by, `worker_id`."""
 
     def release(self, loads: Sequence[WorkerLoad], now: float) -> list[tuple[Request, int]]:
-        """Held requests to place now (routers that hold nothing return [])."""
+        """Held requests to place now (routers that hold nothing return []); the cluster asks
+        only while `held` has requests."""
         return []
 
     def next_release(self, now: float) -> float | None:
