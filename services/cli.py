@@ -175,7 +175,9 @@ def _serve_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=gateway_server.cmd_gateway)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, simulator_only: bool = False) -> argparse.ArgumentParser:
+    """Every command; `simulator_only`: `simulate` and `capacity` alone (main's choice when one of
+    them is run: the service commands' flags import the servers, a tenth of a simulation's start)."""
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice: LLM serving scheduler and simulator")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("simulate", help="replay a trace through policies in the simulator")
@@ -190,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=0.05, help="relative width at which bisection stops")
     p.add_argument("--json", help="write results JSON here")
     p.set_defaults(func=cmd_capacity)
+    if simulator_only:
+        return parser
     _serve_commands(sub)
     for name, module, text in (
         ("profile", "services.profile", "measure a worker's step times and write a profile JSON"),
@@ -235,6 +239,8 @@ def _client_commands(sub: Any) -> None:
     bench.add_parser(sub)
 
 
+_SIMULATOR_COMMANDS = ("simulate", "capacity")
+
 _DELEGATED = {
     "profile": "services.profile",
     "worker": "services.worker",
@@ -250,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import importlib
 
         return int(importlib.import_module(_DELEGATED[argv[0]]).main(argv[1:]) or 0)
-    args = build_parser().parse_args(argv)
+    args = build_parser(simulator_only=bool(argv) and argv[0] in _SIMULATOR_COMMANDS).parse_args(argv)
     try:
         return args.func(args)
     except (KeyError, ValueError, FileNotFoundError) as exc:

@@ -33,7 +33,7 @@ from kvstore.accounting import KVAccounting
 from scheduler_service.cluster.spec import ClusterSpec, WorkerSpec
 from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.offline import OfflineQueue, Room, is_offline, to_place, yielding
-from scheduler_service.core.policy import build_policy
+from scheduler_service.core.policy import Policy, build_policy
 from scheduler_service.core.preemption import RejectReason
 from scheduler_service.core.prefix import lookup_hashes
 from scheduler_service.core.request import Request, RequestStatus
@@ -281,6 +281,14 @@ class Cluster:
             if t is not None and (due is None or t < due):
                 due = t
         return due
+
+    def asks_for_wakeups(self) -> bool:
+        """Whether the router or a worker's policy implements a wake-up (`next_release`,
+        `next_wakeup`); when none does, `next_wakeup` is always None and a driver need not ask
+        it after every event."""
+        if type(self._router).next_release is not Router.next_release:
+            return True
+        return any(type(s.policy).next_wakeup is not Policy.next_wakeup for s in self.schedulers.values())
 
     def holds_offline(self, worker: int) -> bool:
         """Whether offline requests from the offline queue are on the worker (O(1) when none are:

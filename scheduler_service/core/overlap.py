@@ -52,7 +52,7 @@ class OverlapHost(Protocol):
     running: dict[str, Request]
     pending_tokens: dict[str, int]
 
-    def tokens_in_flight(self, request_id: str) -> int: ...
+    def computed_on_worker(self, req: Request) -> int: ...
     def cache_computed_blocks(self, req: Request, computed: int) -> None: ...
     def stop_status(self, req: Request, token: int, n: int) -> RequestStatus | None: ...
     def end(self, req: Request, status: RequestStatus, now: float, message: str = "") -> None: ...
@@ -97,18 +97,17 @@ def resolve_step(sched: OverlapHost, entry: InFlight, result: StepResult, now: f
         return None
     tokens: list[tuple[Request, int]] = []
     max_model_len = sched.config.max_model_len
-    kv = sched.kv
-    caching, block_size, num_registered = kv.prefix_caching, kv.block_size, kv.num_registered
+    caching = sched.kv.prefix_caching
     for rid in plan.num_scheduled_tokens:
         if rid in voided:
             continue
         req = requests.get(rid)
         if req is None:
             continue
-        # NOTE: tokens in flight only lower the count, so a request with no full block past its
-        # registered ones has nothing to register (most steps: a block fills every 16 tokens).
-        if caching and req.num_computed_tokens // block_size > num_registered(rid) and req.status.is_running:
-            sched.cache_computed_blocks(req, req.num_computed_tokens - sched.tokens_in_flight(rid))
+        # NOTE: tokens in flight only lower the count, so a request whose next block is not due
+        # even counting them has nothing to register (most steps: a block fills every 16 tokens).
+        if caching and req.num_computed_tokens >= req.cache_due and req.status.is_running:
+            sched.cache_computed_blocks(req, sched.computed_on_worker(req))
         token = sampled.get(rid)
         if token is None or rid not in plan.sample_ids:
             continue

@@ -79,9 +79,9 @@ class Scheduler:
         self.overlap = self.config.overlap and getattr(policy, "overlap_safe", False)
         self.pending_tokens: dict[str, int] = {}  # overlap: request id -> placeholders not resolved yet
         # Prefix caching registers a request's shareable blocks as they fill and its salted ones
-        # (found only by itself) when its KV is freed (`_flush_blocks`); under overlap every block
-        # as it fills, as the steps in flight decide what is computed.
-        self._defer_salted = kv.prefix_caching and not self.overlap
+        # (found only by itself) when its KV is freed (`flush_blocks`); under overlap both count
+        # only the tokens of answered steps (`computed_on_worker`).
+        self._defer_salted = kv.prefix_caching
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request: Request, now: float) -> RejectReason | None:
@@ -189,7 +189,7 @@ class Scheduler:
                 if req.num_computed_tokens >= req.prefill_len:
                     req.status = decoding
             if caching and req.num_computed_tokens >= req.cache_due:
-                self._cache_computed_blocks(req)
+                self.cache_computed_blocks(req, req.num_computed_tokens)
             token = sampled.get(rid)
             if token is None:
                 continue
@@ -246,23 +246,22 @@ class Scheduler:
                 entry.voided.add(rid)
         req.num_output_tokens -= self.pending_tokens.pop(rid, 0)
 
-    def cache_computed_blocks(self, req: Request, computed: int) -> None:
-        """Registers the full blocks of the request's first `computed` tokens in the prefix cache
-        (after the step that computed them: a block is found only once its KV exists)."""
-        kv = self.kv
-        full = computed // kv.block_size
-        if full > kv.num_registered(req.request_id):
-            kv.cache_blocks(req.request_id, block_hashes(req, kv.block_size, full), full)
+    def computed_on_worker(self, req: Request) -> int:
+        """Tokens of the request whose KV exists on the worker: under overlap, those of steps
+        still in flight are counted in `num_computed_tokens` already and are left out here."""
+        n = req.num_computed_tokens
+        return n - self.tokens_in_flight(req.request_id) if self.overlap else n
 
-    def _cache_computed_blocks(self, req: Request) -> None:
-        """Registers the request's full shareable blocks; `cache_due` says when the next one is
-        full, so the steps in between cost one comparison (never per token)."""
+    def cache_computed_blocks(self, req: Request, computed: int) -> None:
+        """Registers the request's full shareable blocks among its first `computed` tokens (after
+        the step that computed them: a block is found only once its KV exists); `cache_due` says
+        when the next one is full, so the steps in between cost one comparison (never per token)."""
         kv = self.kv
         size = kv.block_size
         # NOTE: once one of its salted hashes exists (its KV was freed before), it registers every
         # block as it fills: a hash registered already makes a later copy stay unregistered.
         cap = shareable_blocks(req, size) if self._defer_salted and req.prefix_salt is None else NO_LIMIT
-        full = min(req.num_computed_tokens // size, cap)
+        full = min(computed // size, cap)
         rid = req.request_id
         if full > kv.num_registered(rid):
             kv.cache_blocks(rid, block_hashes(req, size, full), full)
@@ -275,7 +274,7 @@ class Scheduler:
         req.cache_due = 0
         if self._defer_salted:
             kv = self.kv
-            full = req.num_computed_tokens // kv.block_size
+            full = self.computed_on_worker(req) // kv.block_size
             if full > kv.num_registered(req.request_id):
                 kv.cache_blocks(req.request_id, block_hashes(req, kv.block_size, full), full)
 
@@ -380,9 +379,9 @@ class Scheduler:
             return
         self._detach(req)
         if mode is PreemptionMode.RECOMPUTE:
+            self.flush_blocks(req)  # NOTE: before `_void`, while its steps in flight still count
             if self.overlap:
                 self._void(req)
-            self.flush_blocks(req)
             self.kv.free(rid)
             self.plans.forget(rid)
             req.num_computed_tokens = 0
@@ -414,10 +413,10 @@ class Scheduler:
 
     def return_to_pool(self, req: Request, now: float) -> None:
         rid = req.request_id
+        self.flush_blocks(req)  # NOTE: before `_void`, while its steps in flight still count
         if self.overlap:
             self._void(req)
         self._detach(req)
-        self.flush_blocks(req)
         self.kv.free(rid)
         self.plans.forget(rid)
         del self.requests[rid]
@@ -457,12 +456,13 @@ class Scheduler:
 
     def end(self, req: Request, status: RequestStatus, now: float, message: str = "") -> None:
         rid = req.request_id
+        computed = self.computed_on_worker(req)  # NOTE: before `_void`, as in `flush_blocks`
         if self.overlap:
             self._void(req)  # NOTE: the extra token of a step in flight is discarded, never streamed
         self._detach(req)
         if self._defer_salted and req.prefix_salt is None:
             # NOTE: its salted blocks can never be found now: parked, not hashed (prefix.py)
-            self.kv.free_parked(rid, req.num_computed_tokens // self.kv.block_size)
+            self.kv.free_parked(rid, computed // self.kv.block_size)
         else:
             self.kv.free(rid)
         self.plans.forget(rid)

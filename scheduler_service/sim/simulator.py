@@ -296,11 +296,14 @@ class Simulation:
         bar = _progress(len(arrivals), self.config)
         arrival_times = [float(r.arrival_s or 0.0) for r in arrivals] + [math.inf]
         executors, hides_overhead = self.executors, self.config.overlap_hides_overhead
+        wakes = cluster.asks_for_wakeups()
         while True:
             next_arrival = arrival_times[i]
             next_done = events[0][0] if events else math.inf
             next_moved = moving[0][0] if moving else math.inf
-            next_wake = self._next_wakeup(now, [w for w, q in inflight.items() if len(q) < depth[w]])
+            next_wake = (
+                self._next_wakeup(now, [w for w, q in inflight.items() if len(q) < depth[w]]) if wakes else math.inf
+            )
             upcoming = min(next_arrival, next_done, next_moved, next_wake)
             if upcoming == math.inf:
                 break  # NOTE: `now` keeps the last event's time for the leftover sweep below
