@@ -280,9 +280,11 @@ class StepBuilder:
             computed = req.num_computed_tokens
             n = req.num_prompt_tokens + req.num_output_tokens - computed
             if chunk_to_budget:
-                n = min(n, budget.max_tokens - budget.num_tokens)
-                if prefill_limit is not None and req.is_prefill:
-                    n = min(n, prefill_limit(req))
+                left = budget.max_tokens - budget.num_tokens
+                if n > left:  # NOTE: min() written out, here and below (a call per request per step)
+                    n = left
+                if prefill_limit is not None and computed < req.prefill_len and n > (limit := prefill_limit(req)):
+                    n = limit
                 if n <= 0:
                     continue
             # NOTE: schedule_if_covered's test written out (n never exceeds what is left to
