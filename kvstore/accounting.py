@@ -269,7 +269,8 @@ class BlockPool:
         run = table[start:stop]
         ref = self._ref
         # NOTE: an unregistered block has one owner (only registered blocks are shared)
-        if not run or not self._hash_of.keys().isdisjoint(run) or any(ref[b] != 1 for b in run):
+        # NOTE: the reference counts read by map (a generator per ended request was most of this call)
+        if not run or not self._hash_of.keys().isdisjoint(run) or set(map(ref.__getitem__, run)) != {1}:
             self.park_all(run)
             self.free(reversed(table))
             return

@@ -38,11 +38,11 @@ class VLLMPolicy(Policy):
     config: ContinuousBatchingConfig
 
     def schedule(self, step: StepBuilder, now: float) -> None:
-        if not step.swapped and self._admit_prefills(step):
+        if step.waiting and not step.swapped and self._admit_prefills(step):
             step.metadata["phase"] = "prefill"
             return
         self._decode_all(step)
-        if not step.num_preempted:
+        if step.swapped and not step.num_preempted:  # NOTE: most steps swap nothing in: no call
             swap_in_fcfs(step, self.ctx.max_num_seqs)
 
     def _admit_prefills(self, step: StepBuilder) -> int:

@@ -105,9 +105,10 @@ class ChunkedPrefillPolicy(Policy):
                 n = self.chunk_limit(step, req, n)
             if n > 0:
                 schedule_with_preemption(step, req, n, queue, mode)
-        if not step.num_preempted:
+        # NOTE: most steps have nothing swapped and nothing waiting: no calls for them
+        if step.swapped and not step.num_preempted:
             swap_in_fcfs(step, self.seat_limit())
-        if not step.swapped:
+        if step.waiting and not step.swapped:
             self._admit_new(step)
 
     def _admit_new(self, step: StepBuilder) -> None:
