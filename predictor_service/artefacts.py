@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sluice.common import paths
+
 MODEL_CONFIG = "config.json"
 HEAD_FILE = "head.onnx"
 HISTORY_FILE = "history.npz"
@@ -38,11 +40,7 @@ def default_model_dir() -> Path:
 
 def cache_dir() -> Path:
     """`$SLUICE_CACHE_DIR/predictor`, else `$XDG_CACHE_HOME/sluice/predictor`, else `~/.cache/sluice/predictor`."""
-    root = os.environ.get("SLUICE_CACHE_DIR")
-    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice"
-    path = base / "predictor"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return paths.cache_dir("predictor")
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:

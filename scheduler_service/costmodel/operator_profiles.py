@@ -44,7 +44,9 @@ Approximations we add (not upstream's), all explicit:
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
+import os
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -54,7 +56,7 @@ import numpy as np
 from scheduler_service.costmodel.analytic import Efficiency, layer_weight_params, lm_head_roofline
 from scheduler_service.costmodel.base import COST_MODELS, CostModel, HardwareSpec
 from scheduler_service.costmodel.presets import get_hardware
-from sluice.common.paths import data_file, find_data_file, open_text
+from sluice.common.paths import cache_dir, data_file, find_data_file, open_text
 from sluice.contract.profile import BatchShape, ModelSpec
 
 GPU_FOLDERS = {"a100-80g": "a100", "h100-80g": "h100"}
@@ -230,8 +232,47 @@ _ATTENTION_COLUMNS = (
 )
 
 
+# Bumped whenever the derivation below changes: grids kept in the cache by an earlier one are
+# then never read.
+_GRID_FORMAT = 1
+
+
 @lru_cache(maxsize=2)
 def load_attention_grid(path: Path) -> AttentionGrid:
+    """The attention grid of a profile file, derived once per file content and kept in the cache
+    folder (`sluice.common.paths.cache_dir`): parsing and fitting the file took a twentieth of a
+    1,000-request simulation; reading the kept grid takes under a millisecond."""
+    key = hashlib.sha256(path.read_bytes()).hexdigest()[:24]
+    try:
+        kept = cache_dir("costmodel") / f"attention-grid-v{_GRID_FORMAT}-{key}.npz"
+    except OSError:
+        kept = None  # NOTE: no writable cache folder: derive every time
+    if kept is not None and kept.is_file():
+        try:
+            with np.load(kept) as z:
+                floors = z["floors"]
+                return AttentionGrid(z["decode"], z["prefill"], z["prefill_fit"], float(floors[0]), float(floors[1]))
+        except (OSError, KeyError, ValueError, IndexError):
+            pass  # NOTE: a damaged file is made again
+    grid = derive_attention_grid(path)
+    if kept is not None:
+        tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(
+                    f,
+                    decode=grid.decode,
+                    prefill=grid.prefill,
+                    prefill_fit=grid.prefill_fit,
+                    floors=np.array([grid.decode_floor, grid.prefill_floor]),
+                )
+            os.replace(tmp, kept)  # NOTE: whole or absent, whoever reads it at the same time
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return grid
+
+
+def derive_attention_grid(path: Path) -> AttentionGrid:
     # NOTE: read as columns (csv.reader, six of its 32 columns): a DictReader per row was most of
     # a short simulation's start-up.
     with open_text(path) as f:

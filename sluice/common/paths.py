@@ -98,3 +98,14 @@ def open_text(path: str | Path) -> IO[str]:
     if is_gzip:
         return gzip.open(path, "rt", encoding="utf-8", newline="")
     return open(path, encoding="utf-8-sig", newline="")
+
+
+def cache_dir(topic: str) -> Path:
+    """Where derived files that are cheaper to keep than to remake go (created on first use):
+    `$SLUICE_CACHE_DIR/<topic>`, else `$XDG_CACHE_HOME/sluice/<topic>`, else
+    `~/.cache/sluice/<topic>`. Nothing in it is needed: each file can be made again."""
+    root = os.environ.get("SLUICE_CACHE_DIR")
+    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice"
+    path = base / topic
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from scheduler_service.costmodel.analytic import AnalyticCostModel
-from scheduler_service.costmodel.operator_profiles import OperatorProfileCostModel
+from scheduler_service.costmodel.operator_profiles import (
+    LEGACY_ATTENTION,
+    AttentionGrid,
+    OperatorProfileCostModel,
+    derive_attention_grid,
+    load_attention_grid,
+    need_profile,
+)
 from scheduler_service.costmodel.presets import get_hardware, get_model
+from sluice.common.paths import open_text
 from sluice.contract.profile import BatchShape
 
 TOKENS = (1, 64, 256, 512, 2048, 4096)
@@ -93,3 +103,33 @@ def test_presets_borrowing_a_profile_are_scaled_by_weight_ratio() -> None:
     opt = profile("opt-13b")
     assert opt.source.parent.name == "internlm-20b" and opt.weight_ratio == pytest.approx(0.992, abs=0.001)
     assert profile("llama-3-8b", "h100-80g").source.parent.name == "Llama-2-7b-hf"
+
+
+
+def _same_grid(a: AttentionGrid, b: AttentionGrid) -> bool:
+    arrays = all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("decode", "prefill", "prefill_fit"))
+    return arrays and (a.decode_floor, a.prefill_floor) == (b.decode_floor, b.prefill_floor)
+
+
+def test_the_attention_grid_is_kept_per_file_content_and_read_back_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+    load = load_attention_grid.__wrapped__  # the lru_cache would answer from this process's memory
+    source = need_profile(LEGACY_ATTENTION, None)
+    derived = derive_attention_grid(source)
+    assert _same_grid(load(source), derived)
+    kept_dir = tmp_path / "cache" / "costmodel"
+    (kept,) = kept_dir.glob("attention-grid-*.npz")
+    assert _same_grid(load(source), derived)  # read back from the kept file
+    # another content (one measurement fewer) gets its own entry
+    with open_text(source) as f:
+        lines = f.read().splitlines()
+    other = tmp_path / "attention.csv"
+    other.write_text("\n".join([lines[0], *lines[2:]]) + "\n")
+    assert _same_grid(load(other), derive_attention_grid(other))
+    assert len(list(kept_dir.glob("attention-grid-*.npz"))) == 2
+    # a damaged kept file is derived again and replaced
+    kept.write_bytes(b"not a grid")
+    assert _same_grid(load(source), derived)
+    assert _same_grid(load(source), derived) and kept.stat().st_size > 1000
