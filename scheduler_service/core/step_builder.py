@@ -187,11 +187,24 @@ class StepBuilder:
 
     def tokens_to_compute(self, request: Request) -> int:
         """Tokens the request still has to compute, its prefix hit deducted."""
-        return request.num_tokens_to_compute - len(self.prefix_hit(request)) * self._block_size
+        n = request.num_prompt_tokens + request.num_output_tokens - request.num_computed_tokens
+        if (
+            not self._caching
+            or request.num_computed_tokens
+            or (request.prefix_salt is None and request.prefix_source is None and request.prompt_token_ids is None)
+        ):
+            return n  # NOTE: `prefix_hit`'s first answers (no hit), inlined: every waiting head a queue policy tries
+        return n - len(self.prefix_hit(request)) * self._block_size
 
     def num_new_blocks(self, request: Request, cover: int) -> int:
         """Free blocks the request takes to cover `cover` tokens (a prefix hit's blocks that
         others hold cost nothing; those waiting in the cache's LRU leave the free pool)."""
+        if (
+            not self._caching
+            or request.num_computed_tokens
+            or (request.prefix_salt is None and request.prefix_source is None and request.prompt_token_ids is None)
+        ):
+            return self.kv.num_new_blocks(request.request_id, cover)  # NOTE: no hit, as in `tokens_to_compute`
         return self.kv.num_new_blocks(request.request_id, cover, self.prefix_hit(request))
 
     def schedule(
