@@ -13,16 +13,30 @@ never the whole queue. Policies are measured in turn; `--rounds` repeats the who
 every policy is filled first and their steps then alternate (step k of each, vllm's among
 them, one after another), so a busy minute of a shared machine lands on all of them alike.
 
+Each shape's state is reached by the policy itself: every request arrives at time 0 through
+`add_request`, and steps (`schedule()`, then an answer sampling one token per finished
+prompt) run until the running set holds the shape's count, admission stalls, or the running
+set has not grown for 500 steps (a policy whose own rules keep its batch smaller: Sarathi,
+pricing its steps against the tightest TBT SLO of 100,000 queued requests, runs about 100).
+Options written for 256 running follow the shape: batch sizes become the running count and a
+token budget keeps its tokens per running request (Sarathi's 512 is 2,000 at 1,000 running).
+Filling 1,000 running takes 1 to 1,000 steps per policy, about two minutes for all of them
+(AccelGen's 900 steps at 1,000 running are most of it).
+
     python benchmarks/schedule_overhead.py --steps 300
-    python benchmarks/schedule_overhead.py --steps 100 --sizes 256:10000,1000:100000
+    python benchmarks/schedule_overhead.py --steps 100 --sizes 256:10000,1000:10000,1000:100000
     python benchmarks/schedule_overhead.py --policy vllm --policy accelgen:batch=false
     python benchmarks/schedule_overhead.py --steps 200 --clock cpu --rounds 3 --interleave
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import statistics
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -39,7 +53,7 @@ from scheduler_service.workloads.base import Workload
 from sluice.contract.plan import StepResult
 from sluice.contract.sampling import SamplingParams
 from sluice_bench.options import benchmark_parser
-from sluice_bench.report import format_table
+from sluice_bench.report import format_table, write_json
 
 POLICIES = [
     "vllm_chunked",
@@ -95,19 +109,45 @@ def advance(sched: Scheduler, now: float) -> tuple[float, int]:
     return elapsed, len(plan.num_scheduled_tokens)
 
 
+SEAT_OPTIONS = ("max_batch_size", "batch_size")  # seats: written as 256, set to the shape's running
+PER_SEAT_OPTIONS = ("budget",)  # tokens per step: scaled with the running (Sarathi's 512 -> 2,000 at 1,000)
+
+
 def _sized(policy: str, running: int) -> str:
-    """Batch-size options written for 256 running follow the shape (orca, sls, scls)."""
-    return policy.replace(f"={RUNNING}", f"={running}") if running != RUNNING else policy
+    """Options written for 256 running follow the shape: batch sizes (orca, sls, scls) become
+    the running count, a token budget (sarathi) keeps its tokens per running request."""
+    if running == RUNNING or ":" not in policy:
+        return policy
+    name, _, rest = policy.partition(":")
+    items = []
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        if key in SEAT_OPTIONS and value == str(RUNNING):
+            value = str(running)
+        elif key in PER_SEAT_OPTIONS and value.isdigit():
+            value = str(int(value) * running // RUNNING)
+        items.append(f"{key}{eq}{value}")
+    return f"{name}:{','.join(items)}"
+
+
+# NOTE: a policy whose own rules hold its batch below the shape (Sarathi pricing its steps
+# against the tightest TBT SLO of 100,000 queued requests runs about 120) would step until its
+# requests reach max_tokens: the fill ends once the running set has not grown for this many steps.
+MAX_STEPS_WITHOUT_GROWTH = 500
 
 
 def fill(sched: Scheduler, running: int = RUNNING) -> float:
     """Steps until `running` requests run (or admission stalls); returns the virtual time."""
-    now, idle = 0.0, 0
-    while len(sched.running) < running and sched.waiting and idle < 50:
+    now, idle, most, since = 0.0, 0, 0, 0
+    while len(sched.running) < running and sched.waiting and idle < 50 and since < MAX_STEPS_WITHOUT_GROWTH:
         before = len(sched.running)
         _, scheduled = advance(sched, now)
         now += STEP_S
         idle = idle + 1 if len(sched.running) == before and not scheduled else 0
+        if len(sched.running) > most:
+            most, since = len(sched.running), 0
+        else:
+            since += 1
     return now
 
 
@@ -176,6 +216,7 @@ def main() -> None:
         default="wall",
         help="wall time per call, or the thread's CPU time (steadier on a shared machine)",
     )
+    parser.add_argument("--json", type=Path, help="write every shape's rows, the growth and the run's settings here")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
@@ -183,6 +224,18 @@ def main() -> None:
     specs = [BASELINE] + [p for p in (args.policy or POLICIES) if p != BASELINE]
     sizes = [tuple(int(x) for x in s.split(":")) for s in args.sizes.split(",")]
     means: dict[tuple[str, int, int], float] = {}
+    record: dict[str, Any] = {
+        "config": {
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "interleave": args.interleave,
+            "clock": args.clock,
+            "sizes": args.sizes,
+            "policies": specs,
+            "load_average_at_start": os.getloadavg(),
+        },
+        "shapes": {},
+    }
     for running, waiting in sizes:
         requests = workload_of(running + waiting, cost_model)
         results: dict[str, list[dict[str, float]]] = {p: [] for p in specs}
@@ -224,15 +277,37 @@ def main() -> None:
         ms, ratio = "{:.3f}", "{:.2f}x"
         formats = {"mean ms": ms, "p50 ms": ms, "p99 ms": ms, "mean/vllm": ratio, "p99/vllm": ratio}
         tqdm.write(format_table(rows, formats=formats))
+        record["shapes"][f"{running}:{waiting}"] = {
+            "rows": rows,
+            "per_round": {p: results[p] for p in specs},
+            "specs": {p: _sized(p, running) for p in specs},
+        }
     if len(sizes) > 1:
-        (r0, w0), (r1, w1) = sizes[0], sizes[-1]
-        tqdm.write(f"\ngrowth of the mean from {r0}:{w0} to {r1}:{w1} (queue x{w1 / w0:.0f}, running x{r1 / r0:.1f})")
+        # NOTE: each shape against the one before it (with 1000:10000 between, the queue's
+        # growth apart from the batch's), and the last against the first. The verdict reads the
+        # pairs whose running count is the same (the queue's growth alone) when there are any.
+        pairs = list(itertools.pairwise(sizes))
+        if len(sizes) > 2:
+            pairs.append((sizes[0], sizes[-1]))
+        judged = [pair for pair in pairs if pair[0][0] == pair[1][0] and pair[1][1] > pair[0][1]] or [pairs[-1]]
+        tqdm.write("\ngrowth of the mean between shapes (sub-linear: below the queue's growth)")
         rows = []
         for policy in specs:
-            growth = means[(policy, r1, w1)] / means[(policy, r0, w0)]
-            verdict = "sub-linear" if growth < w1 / w0 else "NOT sub-linear"
-            rows.append({"policy": policy, "growth of the mean": growth, "verdict": verdict})
-        tqdm.write(format_table(rows, formats={"growth of the mean": "x{:.2f}"}))
+            row: dict[str, Any] = {"policy": policy}
+            linear = False
+            for pair in pairs:
+                (r0, w0), (r1, w1) = pair
+                growth = means[(policy, r1, w1)] / means[(policy, r0, w0)]
+                row[f"{r0}:{w0} -> {r1}:{w1} (queue x{w1 / w0:.0f}, running x{r1 / r0:.1f})"] = growth
+                linear = linear or (pair in judged and growth >= w1 / w0)
+            row["verdict"] = "NOT sub-linear" if linear else "sub-linear"
+            rows.append(row)
+        growth_format = "x{:.2f}"
+        tqdm.write(format_table(rows, formats={k: growth_format for k in rows[0] if "->" in k}))
+        record["growth"] = rows
+    if args.json:
+        record["config"]["load_average_at_end"] = os.getloadavg()
+        write_json(record, args.json, indent=1)
 
 
 if __name__ == "__main__":

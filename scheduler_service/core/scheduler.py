@@ -339,7 +339,8 @@ class Scheduler:
     def admit(self, req: Request, now: float) -> None:
         del self.waiting[req.request_id]
         self.running[req.request_id] = req
-        req.status = RequestStatus.PREFILLING if req.is_prefill else RequestStatus.DECODING
+        # NOTE: `req.is_prefill`, inlined (as in `resume`: dozens of jobs a step)
+        req.status = RequestStatus.PREFILLING if req.num_computed_tokens < req.prefill_len else RequestStatus.DECODING
         req.cache_due = 0
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
@@ -405,7 +406,7 @@ class Scheduler:
         if self.kept.pop(req.request_id, None) is None:  # NOTE: a kept job: `_detach`'s first find
             self._detach(req)
         self.running[req.request_id] = req
-        req.status = RequestStatus.PREFILLING if req.is_prefill else RequestStatus.DECODING
+        req.status = RequestStatus.PREFILLING if req.num_computed_tokens < req.prefill_len else RequestStatus.DECODING
         req.cache_due = 0
         req.queue_time += now - req.queue_enter_time
         if table_replaced:

@@ -147,16 +147,18 @@ class StepBuilder:
         """Cached blocks a KV-less waiting request would start with if admitted now: the
         longest cached run of its full blocks, short of its last token (which must be
         computed to sample). [] without prefix caching or for a request holding KV."""
-        if (
-            not self._caching
-            or request.num_computed_tokens
-            or request.request_id in self._tables
-            or not request.status.is_waiting
-        ):
+        if not self._caching or request.num_computed_tokens:
             return []
         if request.prefix_salt is None and request.prefix_source is None and request.prompt_token_ids is None:
             # NOTE: no block of it is named by tokens and none of its salted ones was hashed
-            # (so none registered): `lookup_hashes` would give nothing to look up.
+            # (so none registered): `lookup_hashes` would give nothing to look up. Tested before
+            # the table and status tests (the same answer, without their lookups): a queue
+            # policy asks three times per admitted head and once per head it sets aside.
+            return []
+        status = request.status
+        if request.request_id in self._tables or (
+            status is not RequestStatus.WAITING and status is not RequestStatus.PREEMPTED_RECOMPUTE
+        ):  # NOTE: `not status.is_waiting`, inlined
             return []
         evictions = self.kv.gpu.num_evictions
         memo = self._hits.get(request.request_id)
@@ -185,11 +187,24 @@ class StepBuilder:
 
     def tokens_to_compute(self, request: Request) -> int:
         """Tokens the request still has to compute, its prefix hit deducted."""
-        return request.num_tokens_to_compute - len(self.prefix_hit(request)) * self._block_size
+        n = request.num_prompt_tokens + request.num_output_tokens - request.num_computed_tokens
+        if (
+            not self._caching
+            or request.num_computed_tokens
+            or (request.prefix_salt is None and request.prefix_source is None and request.prompt_token_ids is None)
+        ):
+            return n  # NOTE: `prefix_hit`'s first answers (no hit), inlined: every waiting head a queue policy tries
+        return n - len(self.prefix_hit(request)) * self._block_size
 
     def num_new_blocks(self, request: Request, cover: int) -> int:
         """Free blocks the request takes to cover `cover` tokens (a prefix hit's blocks that
         others hold cost nothing; those waiting in the cache's LRU leave the free pool)."""
+        if (
+            not self._caching
+            or request.num_computed_tokens
+            or (request.prefix_salt is None and request.prefix_source is None and request.prompt_token_ids is None)
+        ):
+            return self.kv.num_new_blocks(request.request_id, cover)  # NOTE: no hit, as in `tokens_to_compute`
         return self.kv.num_new_blocks(request.request_id, cover, self.prefix_hit(request))
 
     def schedule(
@@ -211,7 +226,16 @@ class StepBuilder:
             num_tokens = to_compute
         if num_tokens <= 0 or num_tokens > to_compute or rid in self.scheduled:
             raise ValueError(f"cannot schedule {num_tokens} tokens of {request!r} (already scheduled or too many)")
-        hit = self.prefix_hit(request) if self._caching else ()
+        # NOTE: `prefix_hit`'s first answers, inlined: no caching, or a request with KV or with
+        # no block a lookup could name has no hit (every admission and chunk asks)
+        if (
+            not self._caching
+            or computed
+            or (request.prefix_salt is None and request.prefix_source is None and request.prompt_token_ids is None)
+        ):
+            hit: list[int] = []
+        else:
+            hit = self.prefix_hit(request)
         if hit:
             computed = len(hit) * self._block_size
             num_tokens = min(num_tokens, to_compute - computed)
@@ -248,7 +272,7 @@ class StepBuilder:
     def _count_hit(self, request: Request, hit_tokens: int) -> None:
         request.num_computed_tokens = hit_tokens
         request.num_cached_tokens = hit_tokens
-        self._sched.metrics.on_prefix_lookup(request.num_tokens, hit_tokens)
+        self._sched.metrics.on_prefix_lookup(request.num_prompt_tokens + request.num_output_tokens, hit_tokens)
         self._hits.pop(request.request_id, None)
 
     def schedule_covered(

@@ -50,6 +50,9 @@ _DECODING, _PREFILLING = RequestStatus.DECODING, RequestStatus.PREFILLING
 class RankDeque(deque[Request]):
     """KV holders in rank order (a deque over a sorted list), with RankedHolders' peek."""
 
+    # RankedHolders.stopped_at: the rank of the job `run_covered` last stopped at (None: none yet)
+    stopped_at: Rank | None = None
+
     def pop_before(self, limit: Rank | None) -> Request | None:
         """The best job left if it ranks at or before `limit` (None: any), else None."""
         if self and (limit is None or self[0].policy_state.rank <= limit):
@@ -63,6 +66,7 @@ class RankDeque(deque[Request]):
         while self and budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
             job = self[0]
             if limit is not None and job.policy_state.rank > limit:
+                self.stopped_at = job.policy_state.rank
                 return None
             self.popleft()
             status = job.status
@@ -386,7 +390,7 @@ class QueuePolicy(Policy):
         budget, queues = step.budget, self.queues
         run_kv_job, run_covered = self._run_kv_job, kv_jobs.run_covered
         covered, resumed = step.schedule_if_covered, step.resume_if_covered
-        tokens_to_compute = step.tokens_to_compute
+        tokens_to_compute, scheduled = step.tokens_to_compute, step.scheduled
         heaps, counts, sums, heappop = queues.heaps, queues.counts, queues.sums, heapq.heappop
         waiting_open = admit_waiting
         head: Request | None = None
@@ -412,11 +416,15 @@ class QueuePolicy(Policy):
                         break
                 peeked = queues.changes
             # NOTE: most of a step: the KV holders ranked ahead of the waiting head, each
-            # scheduled (a kept one resumed too) in one call when its blocks cover its step
-            job = run_covered(head_rank, budget, covered, resumed)
-            if job is not None:
-                run_kv_job(step, job, kv_jobs)
-                continue
+            # scheduled (a kept one resumed too) in one call when its blocks cover its step.
+            # Not called when the job it last stopped at ranks after this head (every job left
+            # does, and it would stop at once): after each admitted or set-aside head, dozens a step.
+            stopped_at = kv_jobs.stopped_at
+            if head_rank is None or stopped_at is None or stopped_at < head_rank:
+                job = run_covered(head_rank, budget, covered, resumed)
+                if job is not None:
+                    run_kv_job(step, job, kv_jobs)
+                    continue
             # NOTE: with seats and tokens left, `run_covered` stopped at a job ranked after the
             # head, or none is left: `pop_before(head_rank)` would answer None too
             if head is None or budget.num_seqs >= budget.max_seqs or budget.num_tokens >= budget.max_tokens:
@@ -437,7 +445,7 @@ class QueuePolicy(Policy):
                 waiting_open = len(skipped) < MAX_SKIPPED_WAITING
                 continue
             verdict = self._admit(step, head, kv_jobs, n)
-            if verdict and step.is_scheduled(head):
+            if verdict and head.request_id in scheduled:  # NOTE: step.is_scheduled(head), inlined
                 self.admitted.append(head)
             elif verdict is None:  # memory short and new jobs must wait (defer)
                 skipped.append(head)

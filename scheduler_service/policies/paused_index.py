@@ -106,8 +106,13 @@ class PausedIndex:
                 if i < len(entries) and entries[i] is filed:
                     del entries[i]
             if rank is not None:
-                st.filed = (*rank, req)
-                insort(entries, st.filed)
+                entry = st.filed = (*rank, req)
+                # NOTE: most pauses file the job behind every paused one (FastServe: a job of the
+                # deepest level with its newest key), where insort would land after a bisection
+                if not entries or entries[-1] < entry:
+                    entries.append(entry)
+                else:
+                    insort(entries, entry)
             else:
                 st.filed = None
         self.pending = []
@@ -128,7 +133,7 @@ class RankedHolders:
     """One step's KV holders in rank order, consumed from both ends like a deque: the running
     jobs (sorted this step) merged with the paused index's entries through its cursors."""
 
-    __slots__ = ("_hi", "_index", "_last", "_lo", "_paused", "_run")
+    __slots__ = ("_hi", "_index", "_last", "_lo", "_paused", "_run", "stopped_at")
 
     def __init__(self, running: list[Entry], index: PausedIndex) -> None:
         """`running`: the running jobs' entries, sorted."""
@@ -137,6 +142,10 @@ class RankedHolders:
         self._index = index
         self._paused = index.entries
         self._last = False  # the last `pop` took a paused job
+        # the entry `run_covered` last stopped at because it ranked after its limit (None: none
+        # yet). The jobs are consumed best first, so every job left ranks at or after it for the
+        # rest of the step: a walk with a limit ranked before it would stop at once.
+        self.stopped_at: Entry | None = None
 
     def __bool__(self) -> bool:
         return self._lo < self._hi or self._index.lo < self._index.hi
@@ -176,11 +185,13 @@ class RankedHolders:
             if lo < hi and (plo >= phi or run[lo] < paused[plo]):
                 entry = run[lo]
                 if limit is not None and entry > limit:
+                    self.stopped_at = entry
                     break
                 lo += 1
             elif plo < phi:
                 entry = paused[plo]
                 if limit is not None and entry > limit:
+                    self.stopped_at = entry
                     break
                 plo += 1
             else:
