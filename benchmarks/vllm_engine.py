@@ -32,6 +32,8 @@ and (c), run in the same turns and reported as a ratio to the plain engine round
     @no-auto-pin     `sluice serve --no-auto-pin`: every process on every CPU
     @serve-threads   no `--worker-threads 1`: the worker's torch threads as `sluice serve`
                      picks them (its cores), not one like (a)'s
+    @worker-only     `--worker-cpus LAST`: the worker pinned to the last core, the scheduler and
+                     the rest on every CPU (the placement without its scheduler side)
 
     python -m benchmarks.vllm_engine --rounds 5 --online-rounds 0 --engines vllm,sluice+vllm,sluice+vllm@no-auto-pin
 
@@ -67,7 +69,8 @@ HTTP_ENGINES = ("vllm-serve", "sluice+vllm-http")  # online only: served over Op
 BASELINE = "@baseline"  # suffix of an engine run from the --baseline tree
 NO_AUTO_PIN = "@no-auto-pin"  # suffix of (b) or (c) run with `sluice serve --no-auto-pin`
 SERVE_THREADS = "@serve-threads"  # suffix of (b) or (c) run without `--worker-threads 1`
-VARIANTS = (BASELINE, NO_AUTO_PIN, SERVE_THREADS)
+WORKER_ONLY = "@worker-only"  # suffix of (b) or (c) run with the worker alone pinned, to the last core
+VARIANTS = (BASELINE, NO_AUTO_PIN, SERVE_THREADS, WORKER_ONLY)
 BLOCK = 32
 
 
@@ -500,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     compile_model,
                     http=engine.endswith("-http"),
                     root=args.baseline.resolve() if BASELINE in variants else ROOT,
-                    extra=[*(pin_flags if args.pin else ()), *(["--no-auto-pin"] if NO_AUTO_PIN in variants else [])],
+                    extra=[*(pin_flags if args.pin else ()), *variant_flags(variants, cores)],
                     one_thread=SERVE_THREADS not in variants,
                 )
                 placed[name] = runners[name].worker_cpus()  # type: ignore[attr-defined]
@@ -541,6 +544,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         write_json({"args": vars(args), "worker_cpus": placed, "rounds": results}, args.json, indent=2, quiet=True)
     return 0
+
+
+def variant_flags(variants: set[str], cores: Sequence[int]) -> list[str]:
+    """The `sluice serve` flags of a variant's suffixes (@baseline and @serve-threads have none)."""
+    flags = ["--no-auto-pin"] if NO_AUTO_PIN in variants else []
+    # NOTE: a CPU list turns the automatic placement off: the scheduler and the rest float
+    return flags + (["--worker-cpus", str(cores[-1])] if WORKER_ONLY in variants else [])
 
 
 def report(results: list[dict[str, object]], names: Sequence[str]) -> None:
