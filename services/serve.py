@@ -171,11 +171,11 @@ class ServeConfig(SchedulerServiceConfig):
     # prefill, as when it runs as its own container (docker-compose, Kubernetes); scheduler_cpus
     # places this process too (measured: docs/results/predictor.md, "Live TTFT with the predictor").
     worker_cpus: str | None = opt(
-        None, "CPUs the workers are pinned to, like 0-3 or 0,2-3 (all share the set); none: not pinned"
+        None, "CPUs the workers are pinned to, like 0-3 or 0,2-3 (all share the set); none: see auto_pin"
     )
-    predictor_cpus: str | None = opt(None, "CPUs the predictor process is pinned to, like 4 or 4-5; none: not pinned")
+    predictor_cpus: str | None = opt(None, "CPUs the predictor process is pinned to, like 4 or 4-5; none: see auto_pin")
     scheduler_cpus: str | None = opt(
-        None, "CPUs this process (the scheduler) is pinned to once its children started; none: not pinned"
+        None, "CPUs this process (the scheduler) is pinned to once its children started; none: see auto_pin"
     )
     # NOTE: on by default, measured (docs/results/vllm_engine.md, "The product default"): unpinned,
     # the scheduler takes the worker's core in turns; services/placement.py has the rule and its why.
