@@ -184,12 +184,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def pinned_config(args: argparse.Namespace) -> ServeConfig:
     """The launcher's settings with the run's CPU sets; ValueError naming the flag's setting for a
     list that does not parse or names CPUs this process may not use."""
+    # NOTE: auto_pin off: without CPU lists this benchmark measures every process on every CPU
     cfg = ServeConfig(
         port=0,
         start_predictor=True,
         worker_cpus=args.worker_cpus,
         predictor_cpus=args.predictor_cpus,
         scheduler_cpus=args.scheduler_cpus,
+        auto_pin=False,
     )
     cfg.worker_cpu_set()
     cfg.predictor_cpu_set()

@@ -24,6 +24,19 @@ by round: a change to the worker or scheduler measured against the tree before i
 last core, (b)'s scheduler and this client on the others. Offline rounds also report CPU per
 output token and the share of the wall time the measured process ran (their product with tok/s).
 
+Without `--pin`, (b) and (c) run as `sluice serve` starts them by default (its automatic CPU
+placement, services/placement.py, included) and (a) and this client unpinned. Variants of (b)
+and (c), run in the same turns and reported as a ratio to the plain engine round by round
+(suffixes combine, as in sluice+vllm@no-auto-pin@serve-threads):
+
+    @no-auto-pin     `sluice serve --no-auto-pin`: every process on every CPU
+    @serve-threads   no `--worker-threads 1`: the worker's torch threads as `sluice serve`
+                     picks them (its cores), not one like (a)'s
+    @worker-only     `--worker-cpus LAST`: the worker pinned to the last core, the scheduler and
+                     the rest on every CPU (the placement without its scheduler side)
+
+    python -m benchmarks.vllm_engine --rounds 5 --online-rounds 0 --engines vllm,sluice+vllm,sluice+vllm@no-auto-pin
+
 Offline: all requests at once; output tokens/s from the first request sent to the last token.
 Online: Poisson arrivals at --rate; TBT is every gap between two tokens of a request, E2E the
 arrival to the last token.
@@ -54,6 +67,10 @@ LISTENING = re.compile(r"sluice scheduler listening on ([\d.]+):(\d+)")
 GATEWAY = re.compile(r"sluice OpenAI API at (http://[\d.]+:\d+/v1)")
 HTTP_ENGINES = ("vllm-serve", "sluice+vllm-http")  # online only: served over OpenAI HTTP
 BASELINE = "@baseline"  # suffix of an engine run from the --baseline tree
+NO_AUTO_PIN = "@no-auto-pin"  # suffix of (b) or (c) run with `sluice serve --no-auto-pin`
+SERVE_THREADS = "@serve-threads"  # suffix of (b) or (c) run without `--worker-threads 1`
+WORKER_ONLY = "@worker-only"  # suffix of (b) or (c) run with the worker alone pinned, to the last core
+VARIANTS = (BASELINE, NO_AUTO_PIN, SERVE_THREADS, WORKER_ONLY)
 BLOCK = 32
 
 
@@ -169,10 +186,12 @@ class SluiceServe:
         http: bool = False,
         root: Path = ROOT,
         extra: Sequence[str] = (),
+        one_thread: bool = True,
     ) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", "--port", "0", "--workers", "1", "--engine", engine]
         cmd += ["--http-port", "0"] if http else []
-        cmd += ["--model", model, "--dtype", dtype, "--num-gpu-blocks", str(num_blocks), "--worker-threads", "1"]
+        cmd += ["--model", model, "--dtype", dtype, "--num-gpu-blocks", str(num_blocks)]
+        cmd += ["--worker-threads", "1"] if one_thread else []
         cmd += ["--policy", policy, "--no-start-predictor", "--connect-timeout-s", "300"]
         cmd += [] if compile_model else ["--no-vllm-compile"]
         cmd += extra
@@ -214,6 +233,11 @@ class SluiceServe:
         tokens = sum(len(t.tokens) for t in traces)
         cpu_ms = 1e3 * (process_cpu_s(worker) - cpu) / tokens if worker else float("nan")
         return {"output_tok_s": stats["output_tok_s"], "cpu_ms_per_token": cpu_ms}
+
+    def worker_cpus(self) -> list[int]:
+        """The CPUs the worker process may run on (the kernel's answer), for the record."""
+        pid = self.worker_pid()
+        return sorted(os.sched_getaffinity(pid)) if pid else []
 
     def worker_pid(self) -> int | None:
         """The worker process under `sluice serve` (its child, or a launcher's), on Linux."""
@@ -417,7 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--engines",
         default="vllm,sluice+vllm,sluice+torch",
-        help="of vllm, sluice+vllm, sluice+torch, and over OpenAI HTTP (online only) vllm-serve, sluice+vllm-http",
+        help="of vllm, sluice+vllm, sluice+torch (variants of the last two: see above), and over OpenAI "
+        "HTTP (online only) vllm-serve, sluice+vllm-http",
     )
     p.add_argument("--no-compile", action="store_true", help="vLLM eager in (a) and (b) (its default compiles)")
     p.add_argument("--json", help="write the per-round results here")
@@ -458,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pin_flags = ["--worker-cpus", str(cores[-1]), "--scheduler-cpus", ",".join(map(str, sorted(rest)))]
     print(f"starting {names} for {args.model} {args.dtype}", flush=True)
     runners: dict[str, object] = {}
+    placed: dict[str, list[int]] = {}
     try:
         for name in names:
             if name == "vllm":
@@ -465,17 +491,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif name == "vllm-serve":
                 runners[name] = VllmServe(model_directory(args.model), args.dtype, args.num_blocks, compile_model)
             else:
-                engine = name.split("+")[1].removesuffix(BASELINE).removesuffix("-http")
+                engine, *suffixes = name.split("+")[1].split("@")
+                variants = {f"@{v}" for v in suffixes}
+                if variants - set(VARIANTS):
+                    raise SystemExit(f"error: {name}: variants are {', '.join(VARIANTS)}")
                 runners[name] = SluiceServe(
-                    engine,
+                    engine.removesuffix("-http"),
                     args.model,
                     args.dtype,
                     args.num_blocks,
                     compile_model,
-                    http=name.endswith("-http"),
-                    root=args.baseline.resolve() if name.endswith(BASELINE) else ROOT,
-                    extra=pin_flags if args.pin else (),
+                    http=engine.endswith("-http"),
+                    root=args.baseline.resolve() if BASELINE in variants else ROOT,
+                    extra=[*(pin_flags if args.pin else ()), *variant_flags(variants, cores)],
+                    one_thread=SERVE_THREADS not in variants,
                 )
+                placed[name] = runners[name].worker_cpus()  # type: ignore[attr-defined]
+                print(f"{name}: worker on CPUs {placed[name]}", flush=True)
         warm = make_jobs(4, vocab, None, seed=9)
         for name, runner in runners.items():  # first steps (compilation, allocator) are not measured
             runner.offline(warm) if name == "vllm" else runner.run(warm, online=False)  # type: ignore[attr-defined]
@@ -487,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ):
                 if r >= wanted:
                     continue
-                row: dict[str, object] = {"round": r, "mode": mode}
+                row: dict[str, object] = {"round": r, "mode": mode, "load_average": list(os.getloadavg())}
                 for name in names if r % 2 == 0 else list(reversed(names)):
                     if mode == "offline" and name in HTTP_ENGINES:
                         continue  # NOTE: offline throughput is (a) LLM.generate's; HTTP runs are online
@@ -510,8 +542,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 runner.stop()
     report(results, names)
     if args.json:
-        write_json({"args": vars(args), "rounds": results}, args.json, indent=2, quiet=True)
+        write_json({"args": vars(args), "worker_cpus": placed, "rounds": results}, args.json, indent=2, quiet=True)
     return 0
+
+
+def variant_flags(variants: set[str], cores: Sequence[int]) -> list[str]:
+    """The `sluice serve` flags of a variant's suffixes (@baseline and @serve-threads have none)."""
+    flags = ["--no-auto-pin"] if NO_AUTO_PIN in variants else []
+    # NOTE: a CPU list turns the automatic placement off: the scheduler and the rest float
+    return flags + (["--worker-cpus", str(cores[-1])] if WORKER_ONLY in variants else [])
 
 
 def report(results: list[dict[str, object]], names: Sequence[str]) -> None:
@@ -539,9 +578,13 @@ def report(results: list[dict[str, object]], names: Sequence[str]) -> None:
                     share = [r[who]["cpu_ms_per_token"] * r[who]["output_tok_s"] / 1e3 for r in rows]  # type: ignore[index]
                     print(f"offline running share of {who}: median {statistics.median(share):.3f} "
                           f"(rounds {', '.join(f'{x:.3f}' for x in share)})")  # fmt: skip
-        base = next((n for n in names if n.endswith(BASELINE)), None)
-        if base is not None and rows and base in rows[0]:
-            name = base.removesuffix(BASELINE)
+        for base in [n for n in names if n.endswith(VARIANTS)]:
+            if not rows or base not in rows[0]:
+                continue
+            # NOTE: against the engine without the last suffix: a@x@y against a@x
+            name = base.rpartition("@")[0]
+            if name not in rows[0]:
+                continue
             ratios = [r[name][key] / r[base][key] for r in rows]  # type: ignore[index]
             print(f"{mode} {key} {name}/{base}: median {statistics.median(ratios):.3f} "
                   f"(rounds {', '.join(f'{x:.3f}' for x in ratios)}; {better} is better)")  # fmt: skip

@@ -17,7 +17,10 @@
         on a new one and the scheduler is told the new address.
         --worker-cpus / --predictor-cpus / --scheduler-cpus pin the workers, the predictor and
         this process to CPU sets (services/affinity.py): the predictor on cores of its own, as
-        its own container has.
+        its own container has. Given none of them, CPU workers (torch or vllm engine) are placed
+        automatically where there are more cores than workers (services/placement.py): each
+        worker on cores of its own, the scheduler, predictor and gateway on the rest;
+        --no-auto-pin leaves every process on every CPU.
     sluice serve --prefill-workers N --decode-workers M [...]
         disaggregated: N `sluice worker --role prefill` and M `--role decode` processes; the
         scheduler builds a DisaggCluster from the roles they announce and drives the KV
@@ -62,8 +65,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 from scheduler_service.live.config import LiveConfig
-from services.affinity import child_cpus, parse_cpus, pin_self
+from services.affinity import can_pin, child_cpus, parse_cpus, pin_self, start_cpus
 from services.child import launcher_command, listening_address
+from services.placement import Placement, auto_placement
 from sluice.common.config import add_config_arguments, config_from, opt, subset
 from sluice.common.security import (
     ClientSecurity,
@@ -167,11 +171,19 @@ class ServeConfig(SchedulerServiceConfig):
     # prefill, as when it runs as its own container (docker-compose, Kubernetes); scheduler_cpus
     # places this process too (measured: docs/results/predictor.md, "Live TTFT with the predictor").
     worker_cpus: str | None = opt(
-        None, "CPUs the workers are pinned to, like 0-3 or 0,2-3 (all share the set); none: not pinned"
+        None, "CPUs the workers are pinned to, like 0-3 or 0,2-3 (all share the set); none: see auto_pin"
     )
-    predictor_cpus: str | None = opt(None, "CPUs the predictor process is pinned to, like 4 or 4-5; none: not pinned")
+    predictor_cpus: str | None = opt(None, "CPUs the predictor process is pinned to, like 4 or 4-5; none: see auto_pin")
     scheduler_cpus: str | None = opt(
-        None, "CPUs this process (the scheduler) is pinned to once its children started; none: not pinned"
+        None, "CPUs this process (the scheduler) is pinned to once its children started; none: see auto_pin"
+    )
+    # NOTE: on by default, measured (docs/results/vllm_engine.md, "The product default"): unpinned,
+    # the scheduler takes the worker's core in turns; services/placement.py has the rule and its why.
+    auto_pin: bool = opt(
+        True,
+        "when no CPU list is given: each CPU worker (torch or vllm engine) on cores of its own (the highest), the "
+        "scheduler, predictor and gateway on the rest, where there are more cores than workers; --no-auto-pin: "
+        "every process on every CPU",
     )
 
     def worker_cpu_set(self) -> frozenset[int] | None:
@@ -182,6 +194,29 @@ class ServeConfig(SchedulerServiceConfig):
 
     def scheduler_cpu_set(self) -> frozenset[int] | None:
         return parse_cpus(self.scheduler_cpus, "scheduler_cpus")
+
+    def placement(self) -> Placement:
+        """The automatic CPU placement (services/placement.py), when auto_pin is on, no CPU list
+        is given and this OS can pin; else not placed. The same answer at every call: it reads
+        the CPUs this process started with, so a restarted worker goes back to its own cores."""
+        if not self.auto_pin or not can_pin() or self.worker_cpus or self.scheduler_cpus or self.predictor_cpus:
+            return Placement()
+        # NOTE: start_predictor alone, not whether a predictor address is set: serve() sets it to
+        # the child's once started, and the placement must not move for a restarted child
+        helpers = 1 + self.start_predictor + self.gateway_process
+        return auto_placement(
+            start_cpus(), len(worker_roles(self)), self.engine, self.device, self.worker_threads, helpers
+        )
+
+    def worker_cpu_set_of(self, worker_id: int) -> frozenset[int] | None:
+        """The CPUs worker `worker_id` is pinned to: worker_cpus, else its automatic place."""
+        placement = self.placement()
+        return placement.workers[worker_id] if placement.placed else self.worker_cpu_set()
+
+    def others_cpu_set(self, explicit: frozenset[int] | None) -> frozenset[int] | None:
+        """A scheduler-side process's CPUs: its own list, else the automatic placement's rest."""
+        placement = self.placement()
+        return placement.others if placement.placed else explicit
 
 
 # ---------------------------------------------------------------- worker processes
@@ -226,11 +261,15 @@ def worker_roles(cfg: ServeConfig) -> list[str]:
     return ["prefill"] * cfg.prefill_workers + ["decode"] * cfg.decode_workers
 
 
-def threads_per_worker(cfg: ServeConfig) -> int:
+def threads_per_worker(cfg: ServeConfig, worker_id: int = 0) -> int:
     """Torch threads per worker: worker_threads, else the workers' cores shared out evenly (the
-    pinned set when worker_cpus is given: more threads than its cores would only wait)."""
+    pinned set when worker_cpus is given: more threads than its cores would only wait), or the
+    worker's own cores when placed automatically."""
     if cfg.worker_threads:
         return cfg.worker_threads
+    placement = cfg.placement()
+    if placement.placed:
+        return len(placement.workers[worker_id])
     pinned = cfg.worker_cpu_set()
     cores = len(pinned) if pinned else (os.cpu_count() or 1)
     return max(1, cores // len(worker_roles(cfg)))
@@ -238,7 +277,7 @@ def threads_per_worker(cfg: ServeConfig) -> int:
 
 def worker_command(cfg: ServeConfig, worker_id: int, port: int = 0) -> list[str]:
     roles = worker_roles(cfg)
-    threads = threads_per_worker(cfg)
+    threads = threads_per_worker(cfg, worker_id)
     cmd = [sys.executable, "-m", "services.cli", "worker", "--host", cfg.worker_host, "--port", str(port)]
     cmd += ["--worker-id", str(worker_id), "--model", cfg.model, "--load-format", cfg.load_format]
     cmd += ["--role", roles[worker_id], "--engine", cfg.engine, "--dtype", cfg.dtype]
@@ -282,7 +321,7 @@ def scheduler_role(cfg: ServeConfig) -> str | None:
 
 async def spawn_worker(cfg: ServeConfig, worker_id: int, port: int = 0) -> WorkerProcess:
     cmd = worker_command(cfg, worker_id, port)
-    return await spawn_process(cmd, worker_environment(cfg), worker_id, cpus=cfg.worker_cpu_set())
+    return await spawn_process(cmd, worker_environment(cfg), worker_id, cpus=cfg.worker_cpu_set_of(worker_id))
 
 
 async def spawn_process(
@@ -392,7 +431,7 @@ async def spawn_predictor(cfg: ServeConfig, port: int = 0) -> WorkerProcess:
         PREDICTOR_ID,
         cfg.predictor_niceness,
         cfg.predictor_idle,
-        cpus=cfg.predictor_cpu_set(),
+        cpus=cfg.others_cpu_set(cfg.predictor_cpu_set()),
     )
 
 
@@ -475,7 +514,7 @@ def http_address(front: Any) -> str:
 
 async def spawn_gateway(cfg: ServeConfig, scheduler_port: int, http_port: int) -> WorkerProcess:
     cmd = gateway_command(cfg, scheduler_port, http_port)
-    child = await spawn_process(cmd, gateway_environment(cfg), GATEWAY_ID)
+    child = await spawn_process(cmd, gateway_environment(cfg), GATEWAY_ID, cpus=cfg.others_cpu_set(None))
     child.scheduler_port = scheduler_port
     return child
 
@@ -798,6 +837,11 @@ async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
     roles = worker_roles(cfg)
     split = "" if roles[0] == "mixed" else f" ({cfg.prefill_workers} prefill, {cfg.decode_workers} decode)"
     print(f"starting {len(roles)} {cfg.model} workers{split} on {cfg.device} ...", flush=True)
+    placement = cfg.placement()
+    if placement.placed:
+        print(f"CPU placement (automatic; --no-auto-pin turns it off): {placement.describe()}", flush=True)
+    elif placement.note:
+        log.warning("%s", placement.note)
     cfg.worker_api_key = cfg.worker_api_key or private_worker_key()
     supervisor = Supervisor(cfg, await start_workers(cfg))
     front = None
@@ -806,7 +850,7 @@ async def serve(cfg: ServeConfig, demo: DemoOptions | None = None) -> int:
         if supervisor.predictor is not None:
             cfg.predictor = supervisor.predictor.address
             print(f"sluice length predictor at {cfg.predictor}", flush=True)
-        pin_self(cfg.scheduler_cpu_set())
+        pin_self(cfg.others_cpu_set(cfg.scheduler_cpu_set()))
         server = await start_scheduler(cfg, [w.address for w in supervisor.workers])
         supervisor.on_address = server.live.readdress
         supervisor.on_predictor_address = server.live.readdress_predictor

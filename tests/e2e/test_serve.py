@@ -1,6 +1,8 @@
 """The whole stack as processes: `sluice serve` starts, prints where it listens (gRPC, and the
 OpenAI HTTP API it serves from its own process), serves both and shuts down on SIGINT leaving no worker
-behind (with the worker and the predictor pinned to CPUs of their own where there are 2); and a
+behind (with the worker and the predictor pinned to CPUs of their own where there are 2); with the
+vllm engine and no CPU list, every thread of the worker runs on the cores the automatic placement
+gave it and every thread of the scheduler on the rest (on every CPU with --no-auto-pin); and a
 worker process killed with SIGKILL mid-run leaves every admitted request finished on the other
 worker."""
 
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.util
 import os
 import re
 import signal
@@ -118,6 +122,68 @@ async def test_sluice_serve_listens_serves_and_stops_cleanly_on_sigint() -> None
         assert await asyncio.wait_for(proc.wait(), timeout=60) == 0
         rest = (await proc.stdout.read()).decode()
         assert "shutting down" in rest
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def _threads_cpus(pid: int) -> dict[int, str]:
+    """Each thread of `pid` and the CPUs it may run on, as the kernel lists them (Linux /proc)."""
+    out: dict[int, str] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        # NOTE: a thread that ended since the listing has no status left
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{task}/status") as f:
+            out[int(task)] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("Cpus_allowed_list:"))
+    return out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the vllm extra is not installed")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to place"
+)
+@pytest.mark.parametrize("auto_pin", [True, False])
+async def test_sluice_serve_runs_a_vllm_engine_worker_on_cores_of_its_own(auto_pin: bool) -> None:
+    from services.affinity import format_cpus
+    from services.placement import auto_placement
+
+    every = sorted(os.sched_getaffinity(0))
+    expected = auto_placement(every, workers=1, engine="vllm", helpers=1)
+    assert expected.placed
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--engine", "vllm", "--workers", "1", "--port", "0"]
+    cmd += ["--num-gpu-blocks", "64", "--no-vllm-compile", "--no-start-predictor"]
+    cmd += [] if auto_pin else ["--no-auto-pin"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
+    )
+    assert proc.stdout is not None
+    try:
+        lines: list[str] = []
+        while "listening on" not in (lines or [""])[-1]:
+            lines.append((await asyncio.wait_for(proc.stdout.readline(), timeout=300)).decode())
+            if not lines[-1]:
+                pytest.fail(f"sluice serve exited before listening; its stderr:\n{await _stderr_after_exit(proc)}")
+        said = [line for line in lines if line.startswith("CPU placement (automatic")]
+        assert said == (
+            [f"CPU placement (automatic; --no-auto-pin turns it off): {expected.describe()}\n"] if auto_pin else []
+        )
+        match = re.search(r"listening on ([\d.]+):(\d+)", lines[-1])
+        assert match, lines[-1]
+        async with grpc.aio.insecure_channel(f"{match.group(1)}:{match.group(2)}") as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            tokens = await asyncio.gather(*(_collect(stub, i, 8) for i in range(4)))
+        assert [len(t) for t in tokens] == [8] * 4
+        workers = [pid for pid, line in _children(proc.pid).items() if " worker " in line]
+        assert len(workers) == 1, _children(proc.pid)
+        # every thread of the worker (vLLM's and gRPC's included) and of the scheduler process,
+        # after serving: the model runner has its cores, the scheduler the rest
+        worker_cpus = format_cpus(expected.workers[0]) if auto_pin else format_cpus(set(every))
+        scheduler_cpus = format_cpus(expected.others) if auto_pin else format_cpus(set(every))
+        assert set(_threads_cpus(workers[0]).values()) == {worker_cpus}
+        assert set(_threads_cpus(proc.pid).values()) == {scheduler_cpus}
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), timeout=60) == 0
     finally:
         if proc.returncode is None:
             proc.kill()
