@@ -192,6 +192,14 @@ class BlockPool:
         evictable, hash_of, by_hash = self._evictable, self._hash_of, self.by_hash
         self.num_evictions += n
         while n:
+            run = evictable[next(iter(evictable))]
+            if run is not None and len(run) > n:
+                # NOTE: the run's oldest blocks leave and the rest stays the LRU's oldest entry, in
+                # place (a decode's one new block a step, once the pool has turned over)
+                taken += run[:n]
+                del run[:n]
+                self._num_parked -= n
+                return
             block, run = evictable.popitem(last=False)
             if run is None:
                 h = hash_of.pop(block)
@@ -199,18 +207,11 @@ class BlockPool:
                     del by_hash[h]
                 taken.append(block)
                 n -= 1
-            elif len(run) <= n:
+            else:
                 taken += run
                 n -= len(run)
                 self._num_parked -= len(run)
                 self._num_runs -= 1
-            else:  # NOTE: the run's oldest blocks leave; the rest stays the LRU's oldest entry
-                taken += run[:n]
-                del run[:n]
-                self._num_parked -= n
-                evictable[block] = run
-                evictable.move_to_end(block, last=False)
-                n = 0
 
     def share(self, block_ids: Iterable[int]) -> None:
         """Takes one more reference on registered blocks (a prefix hit); blocks nobody used
