@@ -563,21 +563,17 @@ def report(results: list[dict[str, object]], names: Sequence[str]) -> None:
             if name == reference or reference not in names or not rows or name not in rows[0]:
                 continue
             ratios = [r[name][key] / r[reference][key] for r in rows]  # type: ignore[index]
-            print(f"{mode} {key} {name}/{reference}: median {statistics.median(ratios):.3f} "
-                  f"(rounds {', '.join(f'{x:.3f}' for x in ratios)}; {better} is better)")  # fmt: skip
+            print(_rounds_line(f"{mode} {key} {name}/{reference}", ratios, better))
             if mode == "offline" and "cpu_ms_per_token" in rows[0][reference]:  # type: ignore[operator]
                 # NOTE: (a)'s whole process against (b)'s worker process alone: the CPU the one
                 # core running the model spends per token, which load on other cores leaves alone.
                 cpu = [r[reference]["cpu_ms_per_token"] / r[name]["cpu_ms_per_token"] for r in rows]  # type: ignore[index]
-                rounds = ", ".join(f"{x:.3f}" for x in cpu)
-                print(f"offline CPU per token {reference} process / {name} worker: median "
-                      f"{statistics.median(cpu):.3f} (rounds {rounds}; higher is better)")  # fmt: skip
+                print(_rounds_line(f"offline CPU per token {reference} process / {name} worker", cpu, "higher"))
                 # NOTE: CPU per token times tokens/s: the share of the wall time the process ran (all
                 # its threads); tokens/s is CPU per token over this share, so the two split a gap.
                 for who in (reference, name):
                     share = [r[who]["cpu_ms_per_token"] * r[who]["output_tok_s"] / 1e3 for r in rows]  # type: ignore[index]
-                    print(f"offline running share of {who}: median {statistics.median(share):.3f} "
-                          f"(rounds {', '.join(f'{x:.3f}' for x in share)})")  # fmt: skip
+                    print(_rounds_line(f"offline running share of {who}", share))
         for base in [n for n in names if n.endswith(VARIANTS)]:
             if not rows or base not in rows[0]:
                 continue
@@ -586,12 +582,17 @@ def report(results: list[dict[str, object]], names: Sequence[str]) -> None:
             if name not in rows[0]:
                 continue
             ratios = [r[name][key] / r[base][key] for r in rows]  # type: ignore[index]
-            print(f"{mode} {key} {name}/{base}: median {statistics.median(ratios):.3f} "
-                  f"(rounds {', '.join(f'{x:.3f}' for x in ratios)}; {better} is better)")  # fmt: skip
+            print(_rounds_line(f"{mode} {key} {name}/{base}", ratios, better))
             if mode == "offline" and "cpu_ms_per_token" in rows[0][base]:  # type: ignore[operator]
                 cpu = [r[base]["cpu_ms_per_token"] / r[name]["cpu_ms_per_token"] for r in rows]  # type: ignore[index]
-                print(f"offline CPU per token {base} worker / {name} worker: median {statistics.median(cpu):.3f} "
-                      f"(rounds {', '.join(f'{x:.3f}' for x in cpu)}; higher is better)")  # fmt: skip
+                print(_rounds_line(f"offline CPU per token {base} worker / {name} worker", cpu, "higher"))
+
+
+def _rounds_line(label: str, values: list[float], better: str = "") -> str:
+    """`label: median M (rounds a, b, c; higher is better)`, the report's one line shape."""
+    rounds = ", ".join(f"{x:.3f}" for x in values)
+    verdict = f"; {better} is better" if better else ""
+    return f"{label}: median {statistics.median(values):.3f} (rounds {rounds}{verdict})"
 
 
 if __name__ == "__main__":

@@ -81,7 +81,6 @@ class Scheduler:
         # Prefix caching registers a request's shareable blocks as they fill and its salted ones
         # (found only by itself) when its KV is freed (`flush_blocks`); under overlap both count
         # only the tokens of answered steps (`computed_on_worker`).
-        self._defer_salted = kv.prefix_caching
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request: Request, now: float) -> RejectReason | None:
@@ -260,7 +259,7 @@ class Scheduler:
         size = kv.block_size
         # NOTE: once one of its salted hashes exists (its KV was freed before), it registers every
         # block as it fills: a hash registered already makes a later copy stay unregistered.
-        cap = shareable_blocks(req, size) if self._defer_salted and req.prefix_salt is None else NO_LIMIT
+        cap = shareable_blocks(req, size) if req.prefix_salt is None else NO_LIMIT
         full = min(computed // size, cap)
         rid = req.request_id
         if full > kv.num_registered(rid):
@@ -272,7 +271,7 @@ class Scheduler:
         """Its KV is about to be freed (or to leave): its salted full blocks are registered
         too, so that its own re-admission finds them as if they had been registered as they filled."""
         req.cache_due = 0
-        if self._defer_salted:
+        if self.kv.prefix_caching:
             kv = self.kv
             full = self.computed_on_worker(req) // kv.block_size
             if full > kv.num_registered(req.request_id):
@@ -457,11 +456,12 @@ class Scheduler:
 
     def end(self, req: Request, status: RequestStatus, now: float, message: str = "") -> None:
         rid = req.request_id
-        computed = self.computed_on_worker(req)  # NOTE: before `_void`, as in `flush_blocks`
+        park = self.kv.prefix_caching and req.prefix_salt is None
+        computed = self.computed_on_worker(req) if park else 0  # NOTE: before `_void`, as in `flush_blocks`
         if self.overlap:
             self._void(req)  # NOTE: the extra token of a step in flight is discarded, never streamed
         self._detach(req)
-        if self._defer_salted and req.prefix_salt is None:
+        if park:
             # NOTE: its salted blocks can never be found now: parked, not hashed (prefix.py)
             self.kv.free_parked(rid, computed // self.kv.block_size)
         else:

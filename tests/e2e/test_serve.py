@@ -70,6 +70,18 @@ def _pinning() -> tuple[list[str], dict[str, set[int]]]:
     return ["--worker-cpus", str(a), "--predictor-cpus", str(b)], {" worker ": {a}, " predictor serve ": {b}}
 
 
+async def _stop_with_sigint(proc: asyncio.subprocess.Process) -> None:
+    """`sluice serve`/`scheduler` stop on SIGINT and exit 0 (workers and children with them)."""
+    proc.send_signal(signal.SIGINT)
+    assert await asyncio.wait_for(proc.wait(), timeout=60) == 0
+
+
+async def _kill_if_running(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
 async def _stderr_after_exit(proc: asyncio.subprocess.Process, timeout_s: float = 30.0) -> str:
     """What the process wrote to stderr, once it exited (killed when it outlives `timeout_s`):
     the reason a line it should have printed is missing."""
@@ -118,14 +130,11 @@ async def test_sluice_serve_listens_serves_and_stops_cleanly_on_sigint() -> None
             pids = [pid for pid, line in children.items() if role in line]
             assert len(pids) == 1, (role, children)
             assert os.sched_getaffinity(pids[0]) == cpus, role
-        proc.send_signal(signal.SIGINT)
-        assert await asyncio.wait_for(proc.wait(), timeout=60) == 0
+        await _stop_with_sigint(proc)
         rest = (await proc.stdout.read()).decode()
         assert "shutting down" in rest
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _kill_if_running(proc)
 
 
 def _threads_cpus(pid: int) -> dict[int, str]:
@@ -182,12 +191,9 @@ async def test_sluice_serve_runs_a_vllm_engine_worker_on_cores_of_its_own(auto_p
         scheduler_cpus = format_cpus(expected.others) if auto_pin else format_cpus(set(every))
         assert set(_threads_cpus(workers[0]).values()) == {worker_cpus}
         assert set(_threads_cpus(proc.pid).values()) == {scheduler_cpus}
-        proc.send_signal(signal.SIGINT)
-        assert await asyncio.wait_for(proc.wait(), timeout=60) == 0
+        await _stop_with_sigint(proc)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _kill_if_running(proc)
 
 
 async def test_a_killed_worker_process_leaves_every_admitted_request_finished_on_the_other() -> None:
@@ -292,10 +298,7 @@ async def test_sluice_scheduler_serves_the_openai_api_from_its_own_process(tmp_p
             assert list(answer.aborted_ids) == ["http-owned"], "the key's own request, made over HTTP"
             reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
             assert reasons and reasons[-1] == "abort", reasons
-        proc.send_signal(signal.SIGINT)
-        assert await asyncio.wait_for(proc.wait(), timeout=60) == 0
+        await _stop_with_sigint(proc)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _kill_if_running(proc)
         worker.stop()
