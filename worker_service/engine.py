@@ -261,7 +261,8 @@ class LLMEngine:
             launched = self._launch_batch(plan, t_start)
         finally:
             if plan.kv_moves:
-                # NOTE: only now, behind the step's own input copies (see PagedKVCache.swapping).
+                # NOTE: a step with no tokens (or one that failed) flushes here; a no-op when its
+                # forward already issued them (see PagedKVCache.swapping).
                 self._cache.flush_swaps()
         launched.swap_bytes = swap_bytes
         launched.prepare_s = max(0.0, t_prepare - t_start - swap_s)
@@ -328,11 +329,19 @@ class LLMEngine:
             return Launched(plan.step_id, started, clock, [], None)
         order = list(plan.num_scheduled_tokens.items())
         batch = self._host_batch(order, plan.sample_ids)
+        # NOTE: uploaded before the forward: a copy queued behind the forward's kernels waits
+        # for them, and the swap's device-to-host copies issued below would queue behind it.
+        rows = to_device(np.asarray(batch.sample_rows, dtype=np.int64), self.device) if batch.sample_ids else None
         clock.mark("prepared")
         hidden = self._forward(batch)
+        if plan.kv_moves:
+            # NOTE: the swap-outs' device-to-host copies go now, after every input copy of the
+            # step and before the copies that wait for its forward (the sampled tokens coming
+            # back): the copy engine runs copies in the order they were issued, so issued
+            # later they would wait for the forward, issued earlier they hold up its inputs.
+            self._cache.flush_swaps()
         logits = None
-        if batch.sample_ids:
-            rows = to_device(np.asarray(batch.sample_rows, dtype=np.int64), self.device)
+        if rows is not None:
             logits = self.model.compute_logits(hidden[rows])
         clock.mark("forward")
         for rid, n in order:
