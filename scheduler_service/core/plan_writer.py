@@ -133,13 +133,16 @@ class PlanWriter:
 
 def _new_request_data(req: Request, table: list[int]) -> NewRequestData:
     token_ids = tuple(req.all_token_ids()) if req.prompt_token_ids is not None else ()
+    # NOTE: positional, in the field order (request_id, prompt_token_ids, num_tokens, sampling,
+    # block_ids, num_computed_tokens, num_output_tokens, traceparent): a frozen dataclass built
+    # with keywords costs twice as much, and a queue policy admits dozens of requests a step.
     return NewRequestData(
-        request_id=req.request_id,
-        prompt_token_ids=token_ids,
-        num_tokens=req.num_tokens,
-        sampling=req.sampling,
-        block_ids=tuple(table),
-        num_computed_tokens=req.num_computed_tokens,
-        num_output_tokens=req.num_output_tokens,
-        traceparent=req.traceparent,
+        req.request_id,
+        token_ids,
+        req.num_tokens,
+        req.sampling,
+        tuple(table),
+        req.num_computed_tokens,
+        req.num_output_tokens,
+        req.traceparent,
     )

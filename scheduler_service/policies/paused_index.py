@@ -55,7 +55,10 @@ def _survivors(entries: list[Entry]) -> list[Entry]:
 class PausedIndex:
     """Paused KV holders (kept or swapped), sorted by rank, kept exact by `touch` + `sync`."""
 
-    def __init__(self) -> None:
+    def __init__(self, entries_current: bool = False) -> None:
+        """`entries_current`: every job's `JobState.entry` is (*its rank, job), and is filed as
+        it is (no tuple built per pause: dozens a step, each one more object for the collector)."""
+        self.entries_current = entries_current
         self.entries: list[Entry] = []
         self.lo = self.hi = 0  # the step's view consumed entries[:lo] and entries[hi:]
         self.pending: list[Request] = []  # touched since the last sync
@@ -106,7 +109,7 @@ class PausedIndex:
                 if i < len(entries) and entries[i] is filed:
                     del entries[i]
             if rank is not None:
-                entry = st.filed = (*rank, req)
+                entry = st.filed = st.entry if self.entries_current else (*rank, req)
                 # NOTE: most pauses file the job behind every paused one (FastServe: a job of the
                 # deepest level with its newest key), where insort would land after a bisection
                 if not entries or entries[-1] < entry:
