@@ -213,7 +213,10 @@ class AccelGenPolicy(Policy):
             req.policy_state.jct = self.rt.jct_budget(req, slo_left)
 
     def on_arrival(self, request: Request, now: float) -> None:
-        request.policy_state = AccelGenState(request, now)
+        state = request.policy_state = AccelGenState(request, now)
+        slo = request.slo
+        state.ttft_slo_s = slo.ttft_s if slo.ttft_s is not None else self.rt.default_ttft_s
+        state.tbt_slo_s = slo.tbt_s if slo.tbt_s is not None else self.rt.default_tbt_s
         self._new_jct_budget(request, now)
         self._enqueue(request, now)
 
@@ -334,7 +337,6 @@ class AccelGenPolicy(Policy):
         holders, heappop = index.holders, heapq.heappop
         covered, batch = step.schedule_if_covered, self._batch
         fast, priced = config.order, self._priced
-        ttft, tbt = self.rt.default_ttft_s, self.rt.default_tbt_s
         while r.scanned < max_scan:
             if r.allow_waiting:
                 entry = index.pop(True, include_late)
@@ -370,11 +372,7 @@ class AccelGenPolicy(Policy):
                 and r.memo_preempted == step.num_preempted
             ):
                 # `_take`'s set-aside (see there): SLO_min lowered by its iteration SLO, the cut counted
-                slo = req.slo
-                if req.num_output_tokens == 0:
-                    v = slo.ttft_s if slo.ttft_s is not None else ttft
-                else:
-                    v = slo.tbt_s if slo.tbt_s is not None else tbt
+                v = state.ttft_slo_s if req.num_output_tokens == 0 else state.tbt_slo_s
                 if v < r.slo_s:
                     r.slo_s = v
                 if req.num_prompt_tokens + req.num_output_tokens > req.num_computed_tokens and (
@@ -497,16 +495,13 @@ class AccelGenPolicy(Policy):
         """SLO_min of the batch: the SLO that fixed the budget, or a running decode's tighter
         TBT SLO (every running decode belongs to the batch: it is urgent or it is chosen)."""
         if r.decode_slo_s is None:
-            # NOTE: `RemainingTime.iteration_slo` of every running decode, inlined (256 a step)
-            ttft, tbt = self.rt.default_ttft_s, self.rt.default_tbt_s
+            # NOTE: `RemainingTime.iteration_slo` of every running decode, inlined (256 a step),
+            # from the SLOs its state keeps (the state is at hand: the round popped it)
             best = float("inf")
             for q in r.step.running.values():
                 if q.num_computed_tokens >= q.prefill_len:
-                    slo = q.slo
-                    if q.num_output_tokens == 0:
-                        v = slo.ttft_s if slo.ttft_s is not None else ttft
-                    else:
-                        v = slo.tbt_s if slo.tbt_s is not None else tbt
+                    st = q.policy_state
+                    v = st.ttft_slo_s if q.num_output_tokens == 0 else st.tbt_slo_s
                     if v < best:
                         best = v
             r.decode_slo_s = best

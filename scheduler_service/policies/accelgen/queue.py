@@ -62,6 +62,10 @@ class AccelGenState:
     holds_kv: bool = False  # which heap the live entry is in
     jct: JCTBudget | None = None
     preempted_at: float | None = None
+    # its iteration SLOs, defaults applied (`RemainingTime.iteration_slo`'s two answers; a
+    # request's SLO never changes): read here, a step at 1,000 running touches no SLO object
+    ttft_slo_s: float = 0.0
+    tbt_slo_s: float = 0.0
 
 
 class WindowMax:
