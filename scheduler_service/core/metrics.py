@@ -126,6 +126,15 @@ class MetricsRecorder:
         # queue policies; str() of a member costs a call each)
         self.preemptions[(mode._value_, reason._value_)] += 1
 
+    def on_pauses(self, requests: list[Request], reason: PreemptionReason, now: float) -> None:
+        """`on_preempt(req, KEEP, reason, now)` of each request, counted once for all of them
+        (a subclass that follows each preemption gets its calls)."""
+        if type(self).on_preempt is not MetricsRecorder.on_preempt:
+            for req in requests:
+                self.on_preempt(req, PreemptionMode.KEEP, reason, now)
+        elif requests:
+            self.preemptions[(PreemptionMode.KEEP._value_, reason._value_)] += len(requests)
+
     def on_prefix_lookup(self, num_tokens: int, hit_tokens: int) -> None:
         self.prefix_lookups += 1
         self.prefix_query_tokens += num_tokens

@@ -89,28 +89,36 @@ class PlanWriter:
         computed: list[int] = []
         sample: list[str] = []
         known, sent, replaced = self._known, self._sent_blocks, self._table_replaced
+        get_sent = sent.get
         for rid, n in scheduled.items():
             req = running[rid]
             table = tables[rid]
             size = len(table)
-            if rid not in known:
+            # NOTE: `sent` holds exactly the known requests (added, forgotten and cleared with
+            # `known`): one lookup answers both
+            was = get_sent(rid)
+            if was is None:
                 new.append(_new_request_data(req, table))
                 known.add(rid)
                 replaced.discard(rid)
-            elif rid in replaced:
+                sent[rid] = size
+            elif replaced and rid in replaced:
                 replaced.discard(rid)
                 ids.append(rid)
                 blocks.append(tuple(table))
                 resumed.append(True)
                 computed.append(req.num_computed_tokens)
-            elif size > sent[rid]:
+                sent[rid] = size
+            elif size > was:
                 # NOTE: only requests whose table grew are listed: a 256-decode step whose
                 # blocks did not change sends no per-request diff at all.
                 ids.append(rid)
-                blocks.append(tuple(table[sent[rid] :]))
+                blocks.append(tuple(table[was:]))
                 resumed.append(False)
                 computed.append(req.num_computed_tokens)
-            sent[rid] = size
+                sent[rid] = size
+            elif size < was:
+                sent[rid] = size
             if req.num_computed_tokens + n >= req.num_prompt_tokens + req.num_output_tokens:
                 sample.append(rid)
         self.step_id += 1
@@ -133,13 +141,16 @@ class PlanWriter:
 
 def _new_request_data(req: Request, table: list[int]) -> NewRequestData:
     token_ids = tuple(req.all_token_ids()) if req.prompt_token_ids is not None else ()
+    # NOTE: positional, in the field order (request_id, prompt_token_ids, num_tokens, sampling,
+    # block_ids, num_computed_tokens, num_output_tokens, traceparent): a frozen dataclass built
+    # with keywords costs twice as much, and a queue policy admits dozens of requests a step.
     return NewRequestData(
-        request_id=req.request_id,
-        prompt_token_ids=token_ids,
-        num_tokens=req.num_tokens,
-        sampling=req.sampling,
-        block_ids=tuple(table),
-        num_computed_tokens=req.num_computed_tokens,
-        num_output_tokens=req.num_output_tokens,
-        traceparent=req.traceparent,
+        req.request_id,
+        token_ids,
+        req.num_tokens,
+        req.sampling,
+        tuple(table),
+        req.num_computed_tokens,
+        req.num_output_tokens,
+        req.traceparent,
     )

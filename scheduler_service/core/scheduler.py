@@ -401,6 +401,22 @@ class Scheduler:
         self.metrics.on_preempt(req, mode, reason, now)
         self.policy.on_preempted(req, now)
 
+    def pause(self, requests: list[Request], reason: PreemptionReason, now: float) -> None:
+        """`preempt(req, KEEP, reason, now)` of each running request in turn (queue policies
+        pause dozens a step), with the preemption counter added to once for all of them."""
+        running, kept, on_preempted = self.running, self.kept, self.policy.on_preempted
+        status = RequestStatus.PREEMPTED_KEPT
+        for req in requests:
+            rid = req.request_id
+            if running.pop(rid, None) is None:
+                raise ValueError(f"{req!r} is not running; preempt it instead")
+            req.status = status
+            kept[rid] = req
+            req.queue_enter_time = now
+            req.num_preemptions += 1
+            on_preempted(req, now)
+        self.metrics.on_pauses(requests, reason, now)
+
     def resume(self, req: Request, now: float, *, table_replaced: bool) -> None:
         if self.kept.pop(req.request_id, None) is None:  # NOTE: a kept job: `_detach`'s first find
             self._detach(req)

@@ -64,6 +64,8 @@ class SchedulerState(Protocol):
         self, req: Request, mode: PreemptionMode, reason: PreemptionReason, now: float, *, to_front: bool
     ) -> None: ...
 
+    def pause(self, requests: list[Request], reason: PreemptionReason, now: float) -> None: ...
+
     def resume(self, req: Request, now: float, *, table_replaced: bool) -> None: ...
 
     def flush_blocks(self, req: Request) -> None: ...
@@ -384,11 +386,11 @@ class StepBuilder:
         """Preempts running requests that are not in this step, keeping their KV on the GPU:
         what `preempt(req, KEEP, reason)` does to each, in order, without its checks for
         the modes that move KV (queue policies pause dozens of jobs a step this way)."""
-        preempt, now, keep = self._sched.preempt, self.now, PreemptionMode.KEEP
+        scheduled = self.scheduled
         for request in requests:
-            if request.request_id in self.scheduled:
+            if request.request_id in scheduled:
                 raise ValueError(f"{request!r} is in this step; unschedule or preempt it instead")
-            preempt(request, keep, reason, now, to_front=True)
+        self._sched.pause(requests, reason, self.now)
         self.num_preempted += len(requests)
 
     def _swap_out(self, request: Request) -> bool:

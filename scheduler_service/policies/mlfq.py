@@ -104,6 +104,8 @@ class JobState:
     attained: float = 0.0  # FastServe: service received in the current level
     rank: Rank = (0, 0.0, 0)  # while it holds KV: its rank as last refreshed
     filed: tuple[int, float, int, Request] | None = None  # its entry in the policy's PausedIndex
+    # (*rank, job), built where the rank moves, by a policy whose `entries_current` says so
+    entry: tuple[int, float, int, Request] | None = None
 
 
 class LevelQueues:
@@ -176,6 +178,10 @@ class QueuePolicy(Policy):
     # only where the policy says so, through `rerank_paused`); False: every KV holder is
     # sorted each step into `ranked` (a policy whose later passes read all of them)
     index_paused = False
+    # True: the policy sets `JobState.entry` to (*rank, job) wherever it sets the rank, and
+    # `refresh_ranks` moves no rank, so a step sorts its running jobs' entries without building
+    # them (with `index_paused`)
+    entries_current = False
 
     def __init__(self, config: PolicyConfig, ctx: PolicyContext, num_levels: int) -> None:
         super().__init__(config, ctx)
@@ -185,7 +191,7 @@ class QueuePolicy(Policy):
         self.jobs: dict[str, Request] = {}  # every unfinished job on this worker
         self.ranked: list[Request] = []  # this step's KV holders in rank order (ranks in policy_state.rank)
         self.admitted: list[Request] = []  # waiting jobs this step admitted
-        self.paused = PausedIndex()  # with `index_paused`: the kept and swapped jobs by rank
+        self.paused = PausedIndex(self.entries_current)  # with `index_paused`: the kept and swapped jobs by rank
         self._ranked_at: StepBuilder | None = None  # the step `ranked` was sorted in (prefill pass)
         self._seq = 0
         # counters for reports (`stats_report`): which preemption path moved a job, and why
@@ -217,6 +223,7 @@ class QueuePolicy(Policy):
         if isinstance(request.policy_state, JobState):
             self.queues.discard(request)
             st: JobState = request.policy_state
+            st.entry = None  # NOTE: it refers to the request: dropped so that no cycle outlives it
             if st.filed is not None:
                 # NOTE: its entry is dropped by identity: a job handed back to the router may be
                 # placed elsewhere (a new state) before this index's next sync
@@ -323,10 +330,15 @@ class QueuePolicy(Policy):
     def _pause_worse(self, step: StepBuilder, rank: Rank) -> bool:
         """Iteration-level preemption on a full engine: the worst-ranked running job below
         `rank` gives its seat (paused, KV kept). False when every running job ranks better."""
+        scheduled = step.scheduled
         for req in reversed(self.ranked):
             if req.policy_state.rank <= rank:
                 return False
-            if req.status.is_running and not step.is_scheduled(req):
+            # NOTE: `req.status.is_running and not step.is_scheduled(req)`, inlined: the walk from
+            # the worst end passes every paused job ranked below the head (hundreds a head for
+            # ALISE at 1,000 running)
+            status = req.status
+            if (status is _DECODING or status is _PREFILLING) and req.request_id not in scheduled:
                 step.preempt(req, PreemptionMode.KEEP, PreemptionReason.PRIORITY)
                 self.stats["priority_pauses"] += 1
                 return True
@@ -363,8 +375,11 @@ class QueuePolicy(Policy):
                 self.ranked = self.ranked_kv_jobs(step)
             return RankDeque(self.ranked)
         self.paused.sync(step.kept, step.swapped)
-        self.refresh_ranks(step.running.values())
-        return RankedHolders(sorted([(*r.policy_state.rank, r) for r in step.running.values()]), self.paused)
+        running = step.running.values()
+        if self.entries_current:
+            return RankedHolders(sorted([r.policy_state.entry for r in running]), self.paused)
+        self.refresh_ranks(running)
+        return RankedHolders(sorted([(*r.policy_state.rank, r) for r in running]), self.paused)
 
     def ranked_kv_jobs(self, step: StepBuilder) -> list[Request]:
         """Every KV holder, best rank first.
@@ -386,7 +401,7 @@ class QueuePolicy(Policy):
         victims (deque's right end)."""
         kv_jobs = self.kv_holders(step)
         self.admitted = []
-        skipped: list[Request] = []
+        skipped: list[tuple[float, int, int, Request]] = []  # the set-aside heads' heap entries
         budget, queues = step.budget, self.queues
         run_kv_job, run_covered = self._run_kv_job, kv_jobs.run_covered
         covered, resumed = step.schedule_if_covered, step.resume_if_covered
@@ -431,7 +446,7 @@ class QueuePolicy(Policy):
                 break
             # NOTE: `queues.take(head)` (peeked when `changes` was what it is now), inlined
             st = head.policy_state
-            heappop(heaps[st.level])
+            top = heappop(heaps[st.level])
             st.in_heap = False
             st.version += 1
             queues.changes += 1
@@ -441,21 +456,36 @@ class QueuePolicy(Policy):
             if n <= budget.max_tokens and budget.num_tokens + n > budget.max_tokens:
                 # NOTE: `_admit`'s answer (False) for a prompt the tokens left cannot hold (a seat
                 # is free here), without the call: about 30 heads a step
-                skipped.append(head)
+                skipped.append(top)
                 waiting_open = len(skipped) < MAX_SKIPPED_WAITING
                 continue
             verdict = self._admit(step, head, kv_jobs, n)
             if verdict and head.request_id in scheduled:  # NOTE: step.is_scheduled(head), inlined
                 self.admitted.append(head)
             elif verdict is None:  # memory short and new jobs must wait (defer)
-                skipped.append(head)
+                skipped.append(top)
                 waiting_open = False
             elif not verdict:
-                skipped.append(head)
+                skipped.append(top)
                 waiting_open = len(skipped) < MAX_SKIPPED_WAITING
-        for req in skipped:
-            if req.status.is_waiting:
-                self.queues.push(req)
+        for top in skipped:
+            req = top[3]
+            if not req.status.is_waiting:
+                continue
+            st = req.policy_state
+            if not st.in_heap and st.version == top[2] + 1:
+                # NOTE: untouched since it was taken: its entry goes back as it was (what `push`
+                # does, less a new version and a new tuple: about 30 heads a step, each tuple one
+                # more young object for the collector). Entries of one job differ only in version,
+                # older ones are stale, so the heap orders every live entry as `push` would.
+                st.version -= 1
+                st.in_heap = True
+                queues.changes += 1
+                heapq.heappush(heaps[st.level], top)
+                counts[st.level] += 1
+                sums[st.level] += st.weight
+            else:
+                queues.push(req)
 
     def _run_kv_job(self, step: StepBuilder, req: Request, victims: Victims) -> None:
         n = req.num_tokens_to_compute
@@ -509,10 +539,21 @@ class QueuePolicy(Policy):
         gpu = kv.gpu
         num_tokens = req.num_prompt_tokens + req.num_output_tokens
         watermark = int(self.config.watermark * gpu.num_blocks)
-        if kv.num_blocks_for(num_tokens) + watermark > gpu.num_blocks:
+        blocks = kv.num_blocks_for(num_tokens)
+        if blocks + watermark > gpu.num_blocks:
             step.finish(req, RequestStatus.FINISHED_REJECTED, "unschedulable: prompt needs more KV than the worker has")
             return True
-        need = step.num_new_blocks(req, num_tokens) + watermark
+        if (
+            req.prefix_salt is None
+            and req.prefix_source is None
+            and req.prompt_token_ids is None
+            and req.request_id not in kv.gpu_tables
+        ):
+            # NOTE: `step.num_new_blocks`'s answer for a request with no table and no block a
+            # prefix lookup could name (no hit): all of its blocks are new
+            need = blocks + watermark
+        else:
+            need = step.num_new_blocks(req, num_tokens) + watermark
         # NOTE: `_make_room` returns True at once when the blocks are free (most admissions)
         if gpu.num_available() < need and not self._make_room(step, need, victims, new_job=True, swap_only=True):
             return None if self.memory is MemoryMode.DEFER else False

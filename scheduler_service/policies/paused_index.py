@@ -52,10 +52,38 @@ def _survivors(entries: list[Entry]) -> list[Entry]:
     return out
 
 
+def _merged(entries: list[Entry], new: list[Entry]) -> list[Entry]:
+    """`entries` with the sorted `new` ones filed in order (ranks are unique). Dozens of pauses a
+    step land among thousands of entries: one copy of the list, not one move of its tail each."""
+    if not entries or entries[-1] < new[0]:
+        # NOTE: most pauses file the job behind every paused one (FastServe: a job of the
+        # deepest level with its newest key)
+        entries += new
+        return entries
+    if len(new) == 1:
+        insort(entries, new[0])
+        return entries
+    out: list[Entry] = []
+    lo, n = 0, len(entries)
+    for e in new:
+        if lo < n:
+            i = bisect_left(entries, e, lo)
+            if i > lo:
+                out += entries[lo:i]
+                lo = i
+        out.append(e)
+    if lo < n:
+        out += entries[lo:]
+    return out
+
+
 class PausedIndex:
     """Paused KV holders (kept or swapped), sorted by rank, kept exact by `touch` + `sync`."""
 
-    def __init__(self) -> None:
+    def __init__(self, entries_current: bool = False) -> None:
+        """`entries_current`: every job's `JobState.entry` is (*its rank, job), and is filed as
+        it is (no tuple built per pause: dozens a step, each one more object for the collector)."""
+        self.entries_current = entries_current
         self.entries: list[Entry] = []
         self.lo = self.hi = 0  # the step's view consumed entries[:lo] and entries[hi:]
         self.pending: list[Request] = []  # touched since the last sync
@@ -89,6 +117,7 @@ class PausedIndex:
             if i < len(entries) and entries[i] is e:
                 del entries[i]
         self.gone = []
+        adds: dict[int, Entry] = {}  # this sync's new entries by job, filed in one pass below
         for req in self.pending:
             st = req.policy_state
             status = req.status
@@ -102,20 +131,19 @@ class PausedIndex:
             else:
                 rank = None
             if filed is not None:
-                i = bisect_left(entries, filed)
-                if i < len(entries) and entries[i] is filed:
-                    del entries[i]
-            if rank is not None:
-                entry = st.filed = (*rank, req)
-                # NOTE: most pauses file the job behind every paused one (FastServe: a job of the
-                # deepest level with its newest key), where insort would land after a bisection
-                if not entries or entries[-1] < entry:
-                    entries.append(entry)
+                if adds.get(id(req)) is filed:
+                    del adds[id(req)]  # filed by this sync (touched twice): not in the list yet
                 else:
-                    insort(entries, entry)
+                    i = bisect_left(entries, filed)
+                    if i < len(entries) and entries[i] is filed:
+                        del entries[i]
+            if rank is not None:
+                adds[id(req)] = st.filed = st.entry if self.entries_current else (*rank, req)
             else:
                 st.filed = None
         self.pending = []
+        if adds:
+            entries = _merged(entries, sorted(adds.values()))
         if len(entries) != len(kept) + len(swapped):
             # NOTE: a path that moved a paused job without `touch`: correct over fast
             self.rebuilds += 1

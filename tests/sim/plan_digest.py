@@ -123,6 +123,7 @@ def _wrap(sched: Any, rec: _Recorder) -> None:
     """Records the scheduler's transitions and plans (instance attributes shadow its methods,
     and the StepBuilder and the cluster call them through the instance)."""
     schedule, preempt, end, back = sched.schedule, sched.preempt, sched.end, sched.return_to_pool
+    pause = sched.pause
 
     def on_schedule(now: float) -> Any:
         plan = schedule(now)
@@ -134,6 +135,14 @@ def _wrap(sched: Any, rec: _Recorder) -> None:
         rec.event("preempt", req.request_id, str(mode.value), str(reason.value), to_front)
         preempt(req, mode, reason, now, to_front=to_front)
 
+    def on_pause(requests: list[Any], reason: Any, now: float) -> None:
+        # NOTE: `preempt(req, KEEP, reason, now, to_front=True)` of each, in one call: the
+        # same event per request, in order
+        for req in requests:
+            rec.preemptions += 1
+            rec.event("preempt", req.request_id, "keep", str(reason.value), True)
+        pause(requests, reason, now)
+
     def on_end(req: Any, status: Any, now: float, message: str = "") -> None:
         rec.finished += 1
         rec.event("end", req.request_id, int(status))
@@ -144,6 +153,7 @@ def _wrap(sched: Any, rec: _Recorder) -> None:
         back(req, now)
 
     sched.schedule, sched.preempt, sched.end, sched.return_to_pool = on_schedule, on_preempt, on_end, on_return
+    sched.pause = on_pause
 
 
 def run_case(policy: str, trace: str, seed: int, overlap: bool) -> dict[str, Any]:

@@ -71,6 +71,7 @@ from scheduler_service.policies.accelgen.kv import (
 from scheduler_service.policies.accelgen.queue import (
     AccelGenState,
     DeadlineIndex,
+    IndexEntry,
     RemainingTime,
     holds_kv,
     is_offline,
@@ -80,7 +81,7 @@ from scheduler_service.policies.common import preemption_mode, time_limited_chun
 from scheduler_service.policies.decisions import eq6_budget
 from sluice.contract.plan import StepPlan, StepResult
 
-Entry = tuple[float, int, str]
+Entry = IndexEntry
 _DECODING = RequestStatus.DECODING
 _PREFILLING = RequestStatus.PREFILLING
 MAX_ADMISSION_MISSES = 4  # waiting requests that failed to get KV before admission stops this step
@@ -212,7 +213,10 @@ class AccelGenPolicy(Policy):
             req.policy_state.jct = self.rt.jct_budget(req, slo_left)
 
     def on_arrival(self, request: Request, now: float) -> None:
-        request.policy_state = AccelGenState(request, now)
+        state = request.policy_state = AccelGenState(request, now)
+        slo = request.slo
+        state.ttft_slo_s = slo.ttft_s if slo.ttft_s is not None else self.rt.default_ttft_s
+        state.tbt_slo_s = slo.tbt_s if slo.tbt_s is not None else self.rt.default_tbt_s
         self._new_jct_budget(request, now)
         self._enqueue(request, now)
 
@@ -308,8 +312,8 @@ class AccelGenPolicy(Policy):
         in queue order that can run, preempting for KV as Algorithm 1 does, runs."""
         r.deferred.sort()
         for i, entry in enumerate(r.deferred):
-            state = self.index.states.get(entry[2])
-            if state is not None and state.seq == entry[1] and self._take(r, state.request):
+            state = entry[3]
+            if state.seq == entry[1] and self._take(r, state.request):
                 del r.deferred[i]
                 return
 
@@ -324,7 +328,7 @@ class AccelGenPolicy(Policy):
         in_phase_one = not config.batch or config.order
         urgent_only = config.batch
         demote_missed, max_scan = config.demote_missed, config.max_scan
-        states, deferred, budget, take = index.states, r.deferred, r.step.budget, self._take
+        deferred, budget, take = r.deferred, r.step.budget, self._take
         t_max = self.rt.t_max_s  # NOTE: moves only with a step's answer, never inside a round
         # NOTE: the two kinds of entry that make up most of a step (a covered decode, and a
         # running prompt past the prefix that already got no chunk), answered here as `_take`
@@ -333,7 +337,6 @@ class AccelGenPolicy(Policy):
         holders, heappop = index.holders, heapq.heappop
         covered, batch = step.schedule_if_covered, self._batch
         fast, priced = config.order, self._priced
-        ttft, tbt = self.rt.default_ttft_s, self.rt.default_tbt_s
         while r.scanned < max_scan:
             if r.allow_waiting:
                 entry = index.pop(True, include_late)
@@ -344,13 +347,12 @@ class AccelGenPolicy(Policy):
                 # are full), inlined
                 while holders:
                     entry = heappop(holders)
-                    state = states.get(entry[2])
-                    if state is not None and state.seq == entry[1]:
+                    if entry[3].seq == entry[1]:
                         break
                 else:
                     return None
             r.scanned += 1
-            state = states[entry[2]]
+            state = entry[3]
             if demote_missed and not state.holds_kv and not state.late and now > state.slo_end:
                 self.stats["demoted_missed"] += 1
                 index.demote(entry)
@@ -370,11 +372,7 @@ class AccelGenPolicy(Policy):
                 and r.memo_preempted == step.num_preempted
             ):
                 # `_take`'s set-aside (see there): SLO_min lowered by its iteration SLO, the cut counted
-                slo = req.slo
-                if req.num_output_tokens == 0:
-                    v = slo.ttft_s if slo.ttft_s is not None else ttft
-                else:
-                    v = slo.tbt_s if slo.tbt_s is not None else tbt
+                v = state.ttft_slo_s if req.num_output_tokens == 0 else state.tbt_slo_s
                 if v < r.slo_s:
                     r.slo_s = v
                 if req.num_prompt_tokens + req.num_output_tokens > req.num_computed_tokens and (
@@ -497,16 +495,13 @@ class AccelGenPolicy(Policy):
         """SLO_min of the batch: the SLO that fixed the budget, or a running decode's tighter
         TBT SLO (every running decode belongs to the batch: it is urgent or it is chosen)."""
         if r.decode_slo_s is None:
-            # NOTE: `RemainingTime.iteration_slo` of every running decode, inlined (256 a step)
-            ttft, tbt = self.rt.default_ttft_s, self.rt.default_tbt_s
+            # NOTE: `RemainingTime.iteration_slo` of every running decode, inlined (256 a step),
+            # from the SLOs its state keeps (the state is at hand: the round popped it)
             best = float("inf")
             for q in r.step.running.values():
                 if q.num_computed_tokens >= q.prefill_len:
-                    slo = q.slo
-                    if q.num_output_tokens == 0:
-                        v = slo.ttft_s if slo.ttft_s is not None else ttft
-                    else:
-                        v = slo.tbt_s if slo.tbt_s is not None else tbt
+                    st = q.policy_state
+                    v = st.ttft_slo_s if q.num_output_tokens == 0 else st.tbt_slo_s
                     if v < best:
                         best = v
             r.decode_slo_s = best
@@ -534,7 +529,7 @@ class AccelGenPolicy(Policy):
         while nxt is not None and r.scanned < self.config.max_scan:
             window, nxt = self._window(r, nxt)
             if not r.budget_set:
-                self._fix_budget(r, min(self.rt.iteration_slo(self.index.states[e[2]].request) for e in window))
+                self._fix_budget(r, min(self.rt.iteration_slo(e[3].request) for e in window))
             cands = self._candidates(r, window)
             picked = self._fill(r, cands)
             r.deferred.extend(c.entry for c in cands.leftovers())
@@ -548,7 +543,7 @@ class AccelGenPolicy(Policy):
         limit = first[0] + self.config.gamma_s
         max_candidates, max_scan, order = self.config.max_candidates, self.config.max_scan, self.config.order
         index = self.index
-        holders, states, heappop = index.holders, index.states, heapq.heappop
+        holders, heappop = index.holders, heapq.heappop
         while len(window) < max_candidates and r.scanned < max_scan:
             if r.allow_waiting:
                 entry = index.pop(True, include_late=True)
@@ -558,8 +553,7 @@ class AccelGenPolicy(Policy):
                 # NOTE: `index.pop(False)` inlined, as in `_take_urgent` (a window holds ~100 decodes)
                 while holders:
                     entry = heappop(holders)
-                    state = states.get(entry[2])
-                    if state is not None and state.seq == entry[1]:
+                    if entry[3].seq == entry[1]:
                         break
                 else:
                     return window, None
@@ -581,9 +575,9 @@ class AccelGenPolicy(Policy):
         a_c = step.budget.remaining_tokens
         a_m = self._free_kv_tokens(step)
         cands = CandidateSet()
-        decodes, tables, bs, states = cands.decodes, kv.gpu_tables, kv.block_size, self.index.states
+        decodes, tables, bs = cands.decodes, kv.gpu_tables, kv.block_size
         for entry in window:
-            req = states[entry[2]].request
+            req = entry[3].request
             if req.status is _DECODING and req.num_computed_tokens >= req.prefill_len:
                 # NOTE: most of a window, a running decode: what the general path below answers
                 # for it (no seat or ERA test applies, D_m = the blocks computed + n takes)

@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler_service.core.request import Request
+
+if TYPE_CHECKING:
+    from scheduler_service.policies.accelgen.queue import IndexEntry
 
 
 @dataclass(slots=True)
 class Candidate:
     request: Request
-    entry: tuple[float, int, str]  # its heap entry, restored if it is not picked
+    entry: IndexEntry  # its heap entry, restored if it is not picked
     tokens: int  # D_c
     kv_tokens: int  # D_m
 

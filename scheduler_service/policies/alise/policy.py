@@ -274,12 +274,13 @@ class AlisePolicy(QueuePolicy):
             return
         by_level: dict[int, list[tuple[Rank, Request]]] = {}
         ahead = 0.0
+        decoding, prefilling = RequestStatus.DECODING, RequestStatus.PREFILLING
         for req in self.ranked:  # already in rank order
             rank = req.policy_state.rank
             rid = req.request_id
             if rid in kept or rid in swapped:
                 by_level.setdefault(rank[0], []).append((rank, req))
-            elif rid in scheduled or req.status.is_running:
+            elif rid in scheduled or (status := req.status) is decoding or status is prefilling:  # is_running
                 ahead += rank[1]
         ahead += sum(r.policy_state.key for r in self.admitted)  # their key is their remaining time
         for level in range(self.num_levels):

@@ -50,6 +50,8 @@ class FastServePolicy(QueuePolicy):
     # NOTE: a paused job's rank never moves (demotion happens to jobs that ran), and thousands
     # of jobs sit paused: sorting them every step was a fifth of `schedule()`.
     index_paused = True
+    # NOTE: its ranks move only at arrival and demotion, where `JobState.entry` is built too
+    entries_current = True
 
     def __init__(self, config: FastServeConfig, ctx: PolicyContext) -> None:
         super().__init__(config, ctx, num_levels=config.num_queues)
@@ -81,6 +83,7 @@ class FastServePolicy(QueuePolicy):
         seq = self.next_seq()
         st = JobState(level=self.join_level(request), key=float(seq), seq=seq, clock=now)
         st.rank = (st.level, st.key, st.seq)
+        st.entry = (st.level, st.key, st.seq, request)
         request.policy_state = st
         self.jobs[request.request_id] = request
         self.queues.push(request)
@@ -103,4 +106,5 @@ class FastServePolicy(QueuePolicy):
                 st.attained = 0.0
                 st.key = float(self.next_seq())  # the tail of the next queue
                 st.rank = (st.level, st.key, st.seq)
+                st.entry = (st.level, st.key, st.seq, req)
                 self.refile(req, waiting)
