@@ -126,25 +126,6 @@ def test_serve_places_vllm_workers_and_their_threads_follow_their_own_cores(four
     assert two.others_cpu_set(None) == cpus("0-1")
 
 
-def test_a_placed_worker_gets_the_scheduler_sides_cpus_for_its_helper_threads(four_cpus: frozenset[int]) -> None:
-    placed = ServeConfig(engine="vllm", workers=1, start_predictor=False)
-    command = worker_command(placed, 0)
-    assert command[command.index("--helper-cpus") + 1] == "0", "gRPC's threads beside the scheduler, off core 1-3"
-    two = ServeConfig(engine="vllm", workers=2, start_predictor=True)
-    assert all(worker_command(two, w)[worker_command(two, w).index("--helper-cpus") + 1] == "0-1" for w in (0, 1))
-    for unplaced in (ServeConfig(engine="echo", workers=1), ServeConfig(engine="vllm", workers=1, auto_pin=False)):
-        assert unplaced.worker_helper_cpu_set() is None
-        assert "--helper-cpus" not in worker_command(unplaced, 0), "unplaced: every thread on the worker's CPUs"
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
-def test_both_cpu_lists_given_the_helper_threads_go_to_the_schedulers(four_cpus: frozenset[int]) -> None:
-    a, b = sorted(os.sched_getaffinity(0))[:2]
-    both = ServeConfig(engine="vllm", workers=1, worker_cpus=str(b), scheduler_cpus=str(a))
-    assert both.worker_helper_cpu_set() == {a}
-    assert ServeConfig(engine="vllm", workers=1, worker_cpus=str(b)).worker_helper_cpu_set() is None
-
-
 def test_the_placement_stays_put_when_serve_learns_its_predictors_address(four_cpus: frozenset[int]) -> None:
     # serve() sets `predictor` to the started child's address; a worker restarted later must
     # get the cores it had
