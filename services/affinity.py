@@ -13,11 +13,10 @@ def can_pin() -> bool:
     return hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity")
 
 
-def parse_cpus(spec: str | int | None, name: str, *, own: bool = True) -> frozenset[int] | None:
+def parse_cpus(spec: str | int | None, name: str) -> frozenset[int] | None:
     """The CPUs of a list like "0,2-3"; None for no pinning (None or blank). ValueError naming
     `name` for a malformed list, a CPU this process may not use, or an OS that cannot pin (a set
-    option is never ignored: a measurement would silently run unpinned). `own=False`: CPUs this
-    process was not started on are fine (a worker placed on its cores, given its helpers' CPUs)."""
+    option is never ignored: a measurement would silently run unpinned)."""
     # NOTE: str() because a JSON or TOML config file may give a single CPU as a number
     text = "" if spec is None else str(spec).strip()
     if not text:
@@ -34,7 +33,7 @@ def parse_cpus(spec: str | int | None, name: str, *, own: bool = True) -> frozen
         if first < 0 or last < first:
             raise ValueError(f"{name}: not a CPU range: {part.strip()!r} in {text!r}")
         cpus.update(range(first, last + 1))
-    allowed = start_cpus() if own else frozenset(range(os.cpu_count() or 1))
+    allowed = start_cpus()
     if not cpus <= allowed:
         raise ValueError(
             f"{name}: CPU {format_cpus(cpus - allowed)} not available to this process "

@@ -65,7 +65,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from scheduler_service.live.config import LiveConfig
-from services.affinity import can_pin, child_cpus, format_cpus, parse_cpus, pin_self, start_cpus
+from services.affinity import can_pin, child_cpus, parse_cpus, pin_self, start_cpus
 from services.child import launcher_command, listening_address
 from services.placement import Placement, auto_placement
 from sluice.common.config import add_config_arguments, config_from, opt, subset
@@ -213,17 +213,6 @@ class ServeConfig(SchedulerServiceConfig):
         placement = self.placement()
         return placement.workers[worker_id] if placement.placed else self.worker_cpu_set()
 
-    def worker_helper_cpu_set(self) -> frozenset[int] | None:
-        """Where a worker's helper threads run (gRPC's; worker_service/helper_threads.py): the
-        scheduler side's CPUs when the workers have cores of their own (placed, or both lists
-        given), else None (each worker's threads share its own CPUs)."""
-        placement = self.placement()
-        if placement.placed:
-            return placement.others
-        if self.worker_cpus and self.scheduler_cpus:
-            return self.scheduler_cpu_set()
-        return None
-
     def others_cpu_set(self, explicit: frozenset[int] | None) -> frozenset[int] | None:
         """A scheduler-side process's CPUs: its own list, else the automatic placement's rest."""
         placement = self.placement()
@@ -295,9 +284,6 @@ def worker_command(cfg: ServeConfig, worker_id: int, port: int = 0) -> list[str]
     cmd += ["--device", cfg.device, "--swap-space-gib", str(cfg.swap_space_gib), "--threads", str(threads)]
     if cfg.num_gpu_blocks is not None:
         cmd += ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
-    helpers = cfg.worker_helper_cpu_set()
-    if helpers:
-        cmd += ["--helper-cpus", format_cpus(helpers)]
     if not cfg.vllm_compile:
         cmd.append("--no-vllm-compile")
     for flag, path in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key), ("--tls-ca", cfg.tls_ca)):

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from services.affinity import parse_cpus
 from sluice.common.config import add_config_arguments, config_from, opt, subset
 from sluice.common.security import ClientSecurity, SecurityConfig, ServerSecurity, redacted, setup_logging
 from worker_service.engine_contract import EngineConfig
@@ -42,13 +41,6 @@ class WorkerConfig(SecurityConfig, WarmupDefaults, EngineConfig):
     echo_token_ms: float = opt(0.0, "with --engine echo: and this long per token the step schedules")
     echo_async_device: bool = opt(
         False, "with --echo-step-ms: the step's time is awaited off the CPU, as a GPU's kernels run (not slept)"
-    )
-    # NOTE: `sluice serve` gives a placed worker its scheduler side's CPUs here (services/placement.py);
-    # measured: docs/results/vllm_engine.md, "The worker's helper threads on the scheduler's cores".
-    helper_cpus: str | None = opt(
-        None,
-        "CPUs for the worker's helper threads (gRPC's, Python's executors, vLLM's process group), apart from "
-        "the threads its steps run on, like 0 or 0-1; none: the process's own",
     )
     worker_pipeline: str = opt(
         "auto",
@@ -100,12 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         peer_key = security.api_keys.keys[0] if security.api_keys is not None else None
         peer = ClientSecurity.from_config(cfg, peer_key)
         options = WorkerServerOptions(
-            security,
-            cfg.health_port,
-            cfg.lease_ttl_s,
-            peer_security=peer,
-            pipeline=cfg.worker_pipeline,
-            helper_cpus=parse_cpus(cfg.helper_cpus, "helper_cpus", own=False),
+            security, cfg.health_port, cfg.lease_ttl_s, peer_security=peer, pipeline=cfg.worker_pipeline
         )
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None

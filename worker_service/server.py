@@ -41,7 +41,6 @@ import logging
 import math
 import os
 import signal
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,7 +65,6 @@ from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine_contract import Engine, EngineConfig
 from worker_service.engines import engine_class
 from worker_service.finished_filter import FinishedFilter
-from worker_service.helper_threads import pin_helper_threads
 from worker_service.kv_transfer import KVTransferHandler, TransferRefused, add_read_kv_handler, token_of
 from worker_service.lease import DEFAULT_LEASE_TTL_S, LEASE_LEFT_KEY, Lease, LeaseError, holder_of, session_of
 from worker_service.plan_check import StepPlanError
@@ -215,10 +213,7 @@ class EngineRunner:
         self.engine = engine
         self.pipeline = pipeline
         self.step_spans = step_spans
-        self.step_threads: set[int] = set()  # native ids of the engine threads (steps also run on the loop)
-        self._thread = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="sluice-engine", initializer=self._note_step_thread
-        )
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-engine")
         self._lock = asyncio.Lock()
         self._seconds_per_token: float | None = None
         self._busy: Future[Any] | None = None
@@ -230,9 +225,6 @@ class EngineRunner:
         # NOTE: only an accelerator computes apart from the host CPU; on a CPU engine the thread
         # would compete with the loop for the same cores (measured: half the decode rate).
         self.accelerated = not str(engine.info.device).startswith("cpu")
-
-    def _note_step_thread(self) -> None:
-        self.step_threads.add(threading.get_native_id())
 
     @property
     def ready(self) -> bool:
@@ -392,10 +384,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         lease: Lease | None = None,
         metrics: WorkerMetrics | None = None,
         peer_security: ClientSecurity = PLAINTEXT,
-        helper_cpus: frozenset[int] | None = None,
     ) -> None:
         self.runner = runner
-        self.helper_cpus = helper_cpus  # where this process's helper threads run (worker_service/helper_threads.py)
         self.kv = KVTransferHandler(runner, peer_security)  # worker-to-worker KV (worker_service/kv_transfer.py)
         self.configured_role = role_value(defaults.role)  # its --role: what Info announces between sessions
         self.role = self.configured_role
@@ -496,7 +486,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"warmup failed: {type(exc).__name__}: {exc}")
         self.runner.forget_history()
         self.runner.warmed_up = True
-        self._pin_helper_threads()
         await self._publish_readiness()
         log.info("warmed up: %d GPU blocks, %d CPU blocks; lease granted", num_gpu, num_cpu)
         return worker_pb2.WarmupResponse(
@@ -517,14 +506,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self._count_refusal()
             await context.abort(grpc.StatusCode[exc.code], exc.message)
 
-    def _pin_helper_threads(self) -> None:
-        """gRPC's and the other helper threads onto helper_cpus, the step threads (this loop's and
-        the engine thread) left where they are; nothing without helper_cpus."""
-        if self.helper_cpus:
-            keep = {threading.get_native_id(), *self.runner.step_threads}
-            moved = pin_helper_threads(self.helper_cpus, keep)
-            log.debug("%d helper threads on CPUs %s", moved, sorted(self.helper_cpus))
-
     def _count_refusal(self) -> None:
         if self.metrics is not None:
             self.metrics.refusals.inc()
@@ -536,7 +517,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # can wrap this handler later (opentelemetry-python-contrib #3066).
         session = session_of(context.invocation_metadata())
         await self._check_lease(context, session)
-        self._pin_helper_threads()
         reader = StepReader(request_iterator, PlanReceiver(self.worker_id))
         info = self.runner.engine.info
         finished = FinishedFilter(frozenset(info.eos_token_ids), info.max_model_len)
@@ -702,7 +682,6 @@ class WorkerServerOptions:
     keepalive: Keepalive = KEEPALIVE
     peer_security: ClientSecurity = PLAINTEXT  # how this worker dials a peer's ReadKv
     pipeline: str = "auto"  # the engine pipeline: auto, on or off (PIPELINE_MODES)
-    helper_cpus: frozenset[int] | None = None  # gRPC's and other helper threads' CPUs; None: the process's own
 
 
 def _add_worker_servicer(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
@@ -731,14 +710,7 @@ def build_server(
         raise ValueError("runner wraps a different engine")
     lease = Lease(options.lease_ttl_s)
     servicer = WorkerServicer(
-        runner,
-        health_servicer,
-        worker_id,
-        defaults or WarmupDefaults(),
-        lease,
-        metrics,
-        options.peer_security,
-        options.helper_cpus,
+        runner, health_servicer, worker_id, defaults or WarmupDefaults(), lease, metrics, options.peer_security
     )
     return GrpcServer.build(
         SERVICE_NAME,
