@@ -113,6 +113,36 @@ def lookup_hashes(req: Request, block_size: int, limit: int) -> list[int]:
     return block_hashes(req, block_size, limit) if limit > 0 else []
 
 
+class _PrefixCache(Protocol):
+    """What `cached_prefix` asks of a worker's KV (kvstore/accounting.py's KVCacheManager)."""
+
+    block_size: int
+    hashed: set[str]
+
+    def owned_prefix(self, request_id: str, limit: int) -> list[int] | None: ...
+
+    def lookup_prefix(self, hashes: Sequence[int]) -> list[int]: ...
+
+
+def owns_blocks(req: Request, kv: _PrefixCache) -> bool:
+    """Only the request itself can ever name its blocks (none is named by tokens or trace ids)
+    and they are not registered on this worker: its freed KV waits there as its own run
+    (`KVCacheManager.free_owned`), never hashed."""
+    return req.request_id not in kv.hashed and shareable_blocks(req, kv.block_size) == 0
+
+
+def cached_prefix(kv: _PrefixCache, req: Request, limit: int) -> list[int]:
+    """The worker's cached blocks of the request's first `limit` blocks (longest prefix): its
+    own run when it owns its blocks, else a lookup of its hashes (`lookup_hashes`)."""
+    if limit <= 0:
+        return []
+    if req.prefix_salt is not None and owns_blocks(req, kv):
+        hit = kv.owned_prefix(req.request_id, limit)
+        if hit is not None:
+            return hit
+    return kv.lookup_prefix(lookup_hashes(req, kv.block_size, limit))
+
+
 def _hash_block(req: Request, src: PrefixSource | None, j: int, size: int, parent: int) -> int:
     start, end, prompt = j * size, (j + 1) * size, req.num_prompt_tokens
     if src is None:

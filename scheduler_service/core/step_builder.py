@@ -25,7 +25,7 @@ from scheduler_service.core.budget import TokenBudget
 from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.plan_writer import PlanWriter
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
-from scheduler_service.core.prefix import lookup_hashes
+from scheduler_service.core.prefix import cached_prefix
 from scheduler_service.core.request import Request, RequestStatus
 from sluice.contract.plan import KVMove, KVMoveKind
 from sluice.contract.profile import BatchShape
@@ -166,7 +166,7 @@ class StepBuilder:
             return memo[1]
         size = self._block_size
         limit = (request.num_tokens - 1) // size
-        hit = self.kv.lookup_prefix(lookup_hashes(request, size, limit)) if limit > 0 else []
+        hit = cached_prefix(self.kv, request, limit)
         self._hits[request.request_id] = (evictions, hit)
         return hit
 
