@@ -79,6 +79,8 @@ class Scheduler:
         # NOTE: only for policies whose decisions a one-step lag leaves as the placeholders allow.
         self.overlap = self.config.overlap and getattr(policy, "overlap_safe", False)
         self.pending_tokens: dict[str, int] = {}  # overlap: request id -> placeholders not resolved yet
+        # prefix hits of waiting requests that only their own KV can serve (StepBuilder.prefix_hit)
+        self.prefix_hits: dict[str, tuple[int, int, list[int]]] = {}
         # Prefix caching registers a request's shareable blocks as they fill and its salted ones
         # (found only by itself) when its KV is freed (`flush_blocks`); under overlap both count
         # only the tokens of answered steps (`computed_on_worker`).
@@ -277,6 +279,7 @@ class Scheduler:
         req.cache_due = 0
         if self.kv.prefix_caching:
             kv = self.kv
+            self.prefix_hits.pop(req.request_id, None)
             if owns_blocks(req, kv):
                 # NOTE: its KV leaves other than by `release_kv` (a swap, a shrink, a loan, a
                 # hand-off): its blocks here are registered from now on, as they were before runs
@@ -292,6 +295,7 @@ class Scheduler:
         (`KVCacheManager.free_owned`): the same pool, hit and evictions, O(1) LRU work."""
         kv = self.kv
         rid = req.request_id
+        self.prefix_hits.pop(rid, None)
         if rid not in kv.gpu_tables:  # NOTE: nothing to register (what it left here before stays)
             req.cache_due = 0
             if self.overlap:
@@ -501,6 +505,7 @@ class Scheduler:
             kv.free(rid)
         if req.prefix_salt is not None:
             kv.forget_owner(rid)
+            self.prefix_hits.pop(rid, None)
         self.plans.forget(rid)
         self.requests.pop(rid, None)
         req.status = status
@@ -534,6 +539,7 @@ class Scheduler:
         if error_request_id in self.waiting:
             self.end(self.waiting[error_request_id], RequestStatus.FINISHED_ERROR, now, message)
         self.kv.clear_prefix_cache()  # NOTE: what the worker's cache holds is no longer known
+        self.prefix_hits.clear()
         self.plans.reset()
         self.pending_tokens.clear()
 
@@ -547,6 +553,7 @@ class Scheduler:
             out.append(req)
         self.returned = [r for r in self.returned if r not in out]
         self.kv.clear_prefix_cache()  # NOTE: a worker that comes back starts with an empty cache
+        self.prefix_hits.clear()
         self.plans.clear()
         self.pending_tokens.clear()
         return out
