@@ -41,6 +41,17 @@ leave a table together wait as one LRU entry, a run, and an allocation takes the
 slice: a trace without shared prefixes, where every ended request's blocks are parked, costs
 O(1) LRU operations per request instead of a few per block.
 
+A request whose blocks only it can name (salted: no token ids or trace ids name them) and whose
+KV is freed while it lives on (a recompute preemption, the end of an SCLS slice) leaves its full
+blocks the same way, as one run that it owns (`free_owned`): its lookup finds what is left of the
+run (`owned_prefix`; the LRU evicts a run from its last blocks, so what is left is always a
+prefix) and its re-admission takes the run back whole, where registering and sharing each block
+would cost a hash, a registration and two LRU operations per block. The pool, the hits and the
+evictions are those of registering each block. Where its KV leaves otherwise (a swap, a shrink,
+a loan, a hand-off) or a hit takes only part of its run, the request's blocks on that worker are
+registered under their hashes from then on (`mark_hashed`; what is left of the run is registered
+in place).
+
 Every operation is O(blocks moved); invariants (reference counts match the tables, the free
 list, the LRU and the hash map agree, no leak) are checked by `check_invariants` in tests.
 """

@@ -25,7 +25,10 @@ first salted block ends that run (every later hash chains on it, so it is unique
 blocks are found again only by their own request, after its KV was freed and before it ends;
 the scheduler hashes and registers them only then (`Scheduler.flush_blocks`), and a lookup
 for a request none of whose salted blocks was ever hashed stops at its shareable run
-(`lookup_hashes`): a trace without shared prefixes costs no hashing at all.
+(`lookup_hashes`): a trace without shared prefixes costs no hashing at all. A request with no
+shareable block at all (`owns_blocks`) is not hashed even then: its freed KV waits as its own
+LRU run, which its lookup finds and its re-admission takes back whole (`cached_prefix`,
+`KVCacheManager.free_owned`).
 """
 
 from __future__ import annotations
