@@ -41,6 +41,17 @@ leave a table together wait as one LRU entry, a run, and an allocation takes the
 slice: a trace without shared prefixes, where every ended request's blocks are parked, costs
 O(1) LRU operations per request instead of a few per block.
 
+A request whose blocks only it can name (salted: no token ids or trace ids name them) and whose
+KV is freed while it lives on (a recompute preemption, the end of an SCLS slice) leaves its full
+blocks the same way, as one run that it owns (`free_owned`): its lookup finds what is left of the
+run (`owned_prefix`; the LRU evicts a run from its last blocks, so what is left is always a
+prefix) and its re-admission takes the run back whole, where registering and sharing each block
+would cost a hash, a registration and two LRU operations per block. The pool, the hits and the
+evictions are those of registering each block. Where its KV leaves otherwise (a swap, a shrink,
+a loan, a hand-off) or a hit takes only part of its run, the request's blocks on that worker are
+registered under their hashes from then on (`mark_hashed`; what is left of the run is registered
+in place).
+
 Every operation is O(blocks moved); invariants (reference counts match the tables, the free
 list, the LRU and the hash map agree, no leak) are checked by `check_invariants` in tests.
 """
@@ -49,7 +60,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from enum import IntEnum, StrEnum
 
 
@@ -285,6 +296,62 @@ class BlockPool:
         self._num_parked += len(run)
         self.free(table[start - 1 :: -1] if start else ())
 
+    def free_owned(self, table: list[int], stop: int) -> int:
+        """`free(reversed(table))` for a table none of whose blocks is registered, its first
+        `stop` blocks (full, computed, named only by their own request) kept in the LRU as one
+        run, in the order `free` would have put them there: its key, for the owner to find the
+        run again (`take_run`); 0 when the blocks do not qualify (nothing changed then)."""
+        run = table[:stop]
+        ref = self._ref
+        if not run or not self._hash_of.keys().isdisjoint(run) or set(map(ref.__getitem__, run)) != {1}:
+            return 0
+        self.free(table[: stop - 1 : -1])
+        run.reverse()
+        for b in run:
+            ref[b] = 0
+        self._runs += 1
+        self._evictable[-self._runs] = run
+        self._num_runs += 1
+        self._num_parked += len(run)
+        return -self._runs
+
+    def run_blocks(self, key: int) -> list[int]:
+        """What is left of a run in the LRU, oldest first (the LRU evicts a run from that end):
+        [] once it is evicted."""
+        run = self._evictable.get(key)
+        return run if run is not None and key < 0 else []
+
+    def take_run(self, key: int) -> list[int]:
+        """Takes what is left of a run out of the LRU, its blocks referenced once each; returns
+        them newest first (the order of the table they were freed from)."""
+        run = self._evictable.pop(key)
+        self._num_parked -= len(run)
+        self._num_runs -= 1
+        ref = self._ref
+        for b in run:
+            ref[b] = 1
+        run.reverse()
+        return run
+
+    def register_run(self, key: int, hashes: Sequence[int]) -> None:
+        """Turns what is left of a run into registered blocks, one LRU entry each in the run's
+        place: its newest block under hashes[0], the next under hashes[1], ... (O(LRU))."""
+        run = self._evictable[key]
+        items = list(self._evictable.items())
+        self._evictable.clear()
+        n = len(run)
+        for k, v in items:
+            if k != key:
+                self._evictable[k] = v
+                continue
+            for i, b in enumerate(run):
+                h = hashes[n - 1 - i]
+                self.by_hash[h] = b
+                self._hash_of[b] = h
+                self._evictable[b] = None
+        self._num_parked -= n
+        self._num_runs -= 1
+
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """Blocks of the longest run of `hashes`, from the first, that the cache holds."""
         hits: list[int] = []
@@ -370,6 +437,11 @@ class KVCacheManager:
         self.gpu_tables: dict[str, list[int]] = {}
         self.cpu_tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of a table already offered to the cache
+        # a live request's own blocks waiting in the LRU as one run (`free_owned`): request id ->
+        # (run key, its block hashes on demand)
+        self._owned: dict[str, tuple[int, Callable[[int], Sequence[int]]]] = {}
+        # requests whose own blocks are registered under their hashes here instead (`mark_hashed`)
+        self.hashed: set[str] = set()
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -402,8 +474,15 @@ class KVCacheManager:
         `prefix`: cached blocks (from `lookup_prefix`) a table-less request starts with,
         shared rather than allocated."""
         table = self.gpu_tables.get(request_id)
-        if table is None and prefix:
-            return self._allocate_with_prefix(request_id, num_tokens, reserve, prefix)
+        if table is None:
+            if prefix:
+                return self._allocate_with_prefix(request_id, num_tokens, reserve, prefix)
+            owned = self._owned.get(request_id)
+            if owned is not None:  # NOTE: a table that does not start from its own run
+                if self.gpu.run_blocks(owned[0]):
+                    self.mark_hashed(request_id)
+                else:
+                    del self._owned[request_id]
         have = len(table) if table else 0
         need = -(-num_tokens // self.block_size) - have
         if need <= 0:
@@ -421,6 +500,20 @@ class KVCacheManager:
         self, request_id: str, num_tokens: int, reserve: str | None, prefix: Sequence[int]
     ) -> list[int] | None:
         need = max(0, self.num_blocks_for(num_tokens) - len(prefix))
+        owned = self._owned.get(request_id)
+        if owned is not None:  # the hit is its own run (`owned_prefix`): taken back whole
+            if need + len(prefix) > self.gpu.num_available(reserve):
+                return None
+            run = self.gpu.run_blocks(owned[0])
+            if len(run) != len(prefix) or run[-1] != prefix[0]:
+                raise KVAllocationError(f"{request_id}'s prefix is not what is left of its run")
+            del self._owned[request_id]
+            table = self.gpu.take_run(owned[0])
+            new = self.gpu.allocate(need, reserve)
+            assert new is not None  # NOTE: checked above
+            table += new
+            self.gpu_tables[request_id] = table
+            return new
         if need + self.gpu.num_taken_from_free(prefix) > self.gpu.num_available(reserve):
             return None
         self.gpu.share(prefix)
@@ -472,6 +565,71 @@ class KVCacheManager:
             n += len(cpu)
         return n
 
+    def free_owned(self, request_id: str, num_full_blocks: int, hashes: Callable[[int], Sequence[int]]) -> int:
+        """Frees the request's blocks while it lives on (a recompute preemption, the end of a
+        slice) when nobody else can name its blocks (salted, `core/prefix.py`): its first
+        `num_full_blocks` blocks (full, computed) wait in the LRU as one run that only its own
+        lookup finds (`owned_prefix`) and its re-admission takes back whole. The pool is left as
+        registering each under its hash and freeing the table would leave it (same LRU order,
+        same evictions), without a hash, a registration or an LRU entry per block; `hashes(n)`
+        gives the blocks' hashes should they have to be registered after all (`mark_hashed`).
+        Returns the number of blocks released."""
+        table = self.gpu_tables.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
+        n = 0
+        if table:
+            n = len(table)
+            stop = min(num_full_blocks, n)
+            key = self.gpu.free_owned(table, stop) if stop > 0 and self.prefix_caching else 0
+            if key:
+                self._owned[request_id] = (key, hashes)
+            else:  # NOTE: not expected (its blocks are neither registered nor shared): the registered way
+                if stop > 0 and self.prefix_caching:
+                    self.hashed.add(request_id)
+                    for b, h in zip(table[:stop], hashes(stop), strict=False):
+                        self.gpu.register(b, h)
+                self.gpu.free(reversed(table))
+        cpu = self.cpu_tables.pop(request_id, None)
+        if cpu:
+            self.cpu.free(cpu)
+            n += len(cpu)
+        return n
+
+    def owned_prefix(self, request_id: str, limit: int) -> list[int] | None:
+        """The request's own run (`free_owned`) as a prefix hit, in table order: what is left of
+        it (the LRU evicts a run from its last blocks), [] when nothing is; None when the
+        request's blocks are registered here instead (look its hashes up). A run longer than
+        `limit` blocks is registered now (the hit takes only part of it)."""
+        if request_id in self.hashed or not self.prefix_caching:
+            return None
+        owned = self._owned.get(request_id)
+        if owned is None:
+            return []
+        run = self.gpu.run_blocks(owned[0])
+        if not run:
+            del self._owned[request_id]
+            return []
+        if len(run) > limit:
+            self.mark_hashed(request_id)
+            return None
+        return run[::-1]
+
+    def mark_hashed(self, request_id: str) -> None:
+        """From now on the request's blocks here are registered under their hashes (its KV
+        leaves by a swap, a shrink, a loan or a hand-off, or its run is only partly reused):
+        what is left of its run is registered in place."""
+        owned = self._owned.pop(request_id, None)
+        self.hashed.add(request_id)
+        if owned is not None:
+            run = self.gpu.run_blocks(owned[0])
+            if run:
+                self.gpu.register_run(owned[0], owned[1](len(run)))
+
+    def forget_owner(self, request_id: str) -> None:
+        """The request ended: its run (if any) stays in the LRU, parked, nobody's."""
+        self._owned.pop(request_id, None)
+        self.hashed.discard(request_id)
+
     def num_registered(self, request_id: str) -> int:
         """Leading blocks of the request's table already offered to the prefix cache."""
         return self._num_registered.get(request_id, 0)
@@ -480,6 +638,8 @@ class KVCacheManager:
         """The worker's KV can no longer be trusted (a failed step, a lost worker)."""
         self.gpu.clear_cache()
         self._num_registered.clear()
+        self._owned.clear()
+        self.hashed.clear()
 
     def free(self, request_id: str) -> int:
         """Releases every block of the request on both tiers; returns the number released.

@@ -35,7 +35,7 @@ from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.offline import OfflineQueue, Room, is_offline, to_place, yielding
 from scheduler_service.core.policy import Policy, build_policy
 from scheduler_service.core.preemption import RejectReason
-from scheduler_service.core.prefix import lookup_hashes
+from scheduler_service.core.prefix import cached_prefix
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler, StepOutputs
 from scheduler_service.routers import Router, WorkerLoad
@@ -269,7 +269,7 @@ class Cluster:
         if not kv.prefix_caching:
             return 0
         limit = (request.num_tokens - 1) // kv.block_size
-        return len(kv.lookup_prefix(lookup_hashes(request, kv.block_size, limit))) * kv.block_size
+        return len(cached_prefix(kv, request, limit)) * kv.block_size
 
     def next_wakeup(self, now: float, workers: Iterable[int]) -> float | None:
         """When the router or one of these workers' policies wants a step even if nothing

@@ -25,7 +25,10 @@ first salted block ends that run (every later hash chains on it, so it is unique
 blocks are found again only by their own request, after its KV was freed and before it ends;
 the scheduler hashes and registers them only then (`Scheduler.flush_blocks`), and a lookup
 for a request none of whose salted blocks was ever hashed stops at its shareable run
-(`lookup_hashes`): a trace without shared prefixes costs no hashing at all.
+(`lookup_hashes`): a trace without shared prefixes costs no hashing at all. A request with no
+shareable block at all (`owns_blocks`) is not hashed even then: its freed KV waits as its own
+LRU run, which its lookup finds and its re-admission takes back whole (`cached_prefix`,
+`KVCacheManager.free_owned`).
 """
 
 from __future__ import annotations
@@ -111,6 +114,36 @@ def lookup_hashes(req: Request, block_size: int, limit: int) -> list[int]:
     if req.prefix_salt is None:
         limit = min(limit, shareable_blocks(req, block_size))
     return block_hashes(req, block_size, limit) if limit > 0 else []
+
+
+class _PrefixCache(Protocol):
+    """What `cached_prefix` asks of a worker's KV (kvstore/accounting.py's KVCacheManager)."""
+
+    block_size: int
+    hashed: set[str]
+
+    def owned_prefix(self, request_id: str, limit: int) -> list[int] | None: ...
+
+    def lookup_prefix(self, hashes: Sequence[int]) -> list[int]: ...
+
+
+def owns_blocks(req: Request, kv: _PrefixCache) -> bool:
+    """Only the request itself can ever name its blocks (none is named by tokens or trace ids)
+    and they are not registered on this worker: its freed KV waits there as its own run
+    (`KVCacheManager.free_owned`), never hashed."""
+    return req.request_id not in kv.hashed and shareable_blocks(req, kv.block_size) == 0
+
+
+def cached_prefix(kv: _PrefixCache, req: Request, limit: int) -> list[int]:
+    """The worker's cached blocks of the request's first `limit` blocks (longest prefix): its
+    own run when it owns its blocks, else a lookup of its hashes (`lookup_hashes`)."""
+    if limit <= 0:
+        return []
+    if req.prefix_salt is not None and owns_blocks(req, kv):
+        hit = kv.owned_prefix(req.request_id, limit)
+        if hit is not None:
+            return hit
+    return kv.lookup_prefix(lookup_hashes(req, kv.block_size, limit))
 
 
 def _hash_block(req: Request, src: PrefixSource | None, j: int, size: int, parent: int) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from functools import partial
 from operator import attrgetter
 
 from kvstore.accounting import KVCacheManager
@@ -29,7 +30,7 @@ from scheduler_service.core.overlap import InFlight, commit_plan, resolve_step
 from scheduler_service.core.plan_writer import PlanWriter
 from scheduler_service.core.policy import Policy
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason, RejectReason
-from scheduler_service.core.prefix import NO_LIMIT, block_hashes, shareable_blocks
+from scheduler_service.core.prefix import NO_LIMIT, block_hashes, owns_blocks, request_salt, shareable_blocks
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.core.step_outputs import StepOutputs
@@ -78,6 +79,8 @@ class Scheduler:
         # NOTE: only for policies whose decisions a one-step lag leaves as the placeholders allow.
         self.overlap = self.config.overlap and getattr(policy, "overlap_safe", False)
         self.pending_tokens: dict[str, int] = {}  # overlap: request id -> placeholders not resolved yet
+        # prefix hits of waiting requests that only their own KV can serve (StepBuilder.prefix_hit)
+        self.prefix_hits: dict[str, tuple[int, int, list[int]]] = {}
         # Prefix caching registers a request's shareable blocks as they fill and its salted ones
         # (found only by itself) when its KV is freed (`flush_blocks`); under overlap both count
         # only the tokens of answered steps (`computed_on_worker`).
@@ -258,10 +261,13 @@ class Scheduler:
         kv = self.kv
         size = kv.block_size
         # NOTE: once one of its salted hashes exists (its KV was freed before), it registers every
-        # block as it fills: a hash registered already makes a later copy stay unregistered.
-        cap = shareable_blocks(req, size) if req.prefix_salt is None else NO_LIMIT
-        full = min(computed // size, cap)
+        # block as it fills: a hash registered already makes a later copy stay unregistered. A
+        # request that owns its blocks (`owns_blocks`) registers none: its freed KV is its run.
         rid = req.request_id
+        cap = shareable_blocks(req, size)
+        if req.prefix_salt is not None and (cap or rid in kv.hashed):
+            cap = NO_LIMIT
+        full = min(computed // size, cap)
         if full > kv.num_registered(rid):
             kv.cache_blocks(rid, block_hashes(req, size, full), full)
         done = kv.num_registered(rid)
@@ -273,9 +279,44 @@ class Scheduler:
         req.cache_due = 0
         if self.kv.prefix_caching:
             kv = self.kv
+            self.prefix_hits.pop(req.request_id, None)
+            if owns_blocks(req, kv):
+                # NOTE: its KV leaves other than by `release_kv` (a swap, a shrink, a loan, a
+                # hand-off): its blocks here are registered from now on, as they were before runs
+                kv.mark_hashed(req.request_id)
             full = self.computed_on_worker(req) // kv.block_size
             if full > kv.num_registered(req.request_id):
                 kv.cache_blocks(req.request_id, block_hashes(req, kv.block_size, full), full)
+
+    def release_kv(self, req: Request) -> None:
+        """Frees the KV of a request that lives on (a recompute preemption, a return to the
+        router): `flush_blocks`, `_void` under overlap, then `kv.free`. A request that owns its
+        blocks leaves them in the LRU as its own run instead of hashing and registering each
+        (`KVCacheManager.free_owned`): the same pool, hit and evictions, O(1) LRU work."""
+        kv = self.kv
+        rid = req.request_id
+        self.prefix_hits.pop(rid, None)
+        if rid not in kv.gpu_tables:  # NOTE: nothing to register (what it left here before stays)
+            req.cache_due = 0
+            if self.overlap:
+                self._void(req)
+            kv.free(rid)
+            return
+        if not kv.prefix_caching or kv.num_registered(rid) or not owns_blocks(req, kv):
+            self.flush_blocks(req)  # NOTE: before `_void`, while its steps in flight still count
+            if self.overlap:
+                self._void(req)
+            kv.free(rid)
+            return
+        req.cache_due = 0
+        size = kv.block_size
+        # NOTE: what `flush_blocks` would register: its full computed blocks that have a hash
+        full = min(self.computed_on_worker(req), req.num_prompt_tokens + req.num_output_tokens) // size
+        if full and req.prefix_salt is None:
+            req.prefix_salt = request_salt(rid)  # NOTE: as hashing its first salted block would
+        if self.overlap:
+            self._void(req)
+        kv.free_owned(rid, full, partial(block_hashes, req, size))
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         return self.stop_status(req, token, req.num_output_tokens)
@@ -379,10 +420,7 @@ class Scheduler:
             return
         self._detach(req)
         if mode is PreemptionMode.RECOMPUTE:
-            self.flush_blocks(req)  # NOTE: before `_void`, while its steps in flight still count
-            if self.overlap:
-                self._void(req)
-            self.kv.free(rid)
+            self.release_kv(req)
             self.plans.forget(rid)
             req.num_computed_tokens = 0
             req.prefill_len = req.num_tokens
@@ -429,11 +467,8 @@ class Scheduler:
 
     def return_to_pool(self, req: Request, now: float) -> None:
         rid = req.request_id
-        self.flush_blocks(req)  # NOTE: before `_void`, while its steps in flight still count
-        if self.overlap:
-            self._void(req)
+        self.release_kv(req)
         self._detach(req)
-        self.kv.free(rid)
         self.plans.forget(rid)
         del self.requests[rid]
         req.num_computed_tokens = 0
@@ -472,16 +507,21 @@ class Scheduler:
 
     def end(self, req: Request, status: RequestStatus, now: float, message: str = "") -> None:
         rid = req.request_id
-        park = self.kv.prefix_caching and req.prefix_salt is None
+        kv = self.kv
+        # NOTE: a request that owns its blocks registered none of them: parked too
+        park = kv.prefix_caching and (req.prefix_salt is None or owns_blocks(req, kv))
         computed = self.computed_on_worker(req) if park else 0  # NOTE: before `_void`, as in `flush_blocks`
         if self.overlap:
             self._void(req)  # NOTE: the extra token of a step in flight is discarded, never streamed
         self._detach(req)
         if park:
             # NOTE: its salted blocks can never be found now: parked, not hashed (prefix.py)
-            self.kv.free_parked(rid, computed // self.kv.block_size)
+            kv.free_parked(rid, computed // kv.block_size)
         else:
-            self.kv.free(rid)
+            kv.free(rid)
+        if req.prefix_salt is not None:
+            kv.forget_owner(rid)
+            self.prefix_hits.pop(rid, None)
         self.plans.forget(rid)
         self.requests.pop(rid, None)
         req.status = status
@@ -515,6 +555,7 @@ class Scheduler:
         if error_request_id in self.waiting:
             self.end(self.waiting[error_request_id], RequestStatus.FINISHED_ERROR, now, message)
         self.kv.clear_prefix_cache()  # NOTE: what the worker's cache holds is no longer known
+        self.prefix_hits.clear()
         self.plans.reset()
         self.pending_tokens.clear()
 
@@ -528,6 +569,7 @@ class Scheduler:
             out.append(req)
         self.returned = [r for r in self.returned if r not in out]
         self.kv.clear_prefix_cache()  # NOTE: a worker that comes back starts with an empty cache
+        self.prefix_hits.clear()
         self.plans.clear()
         self.pending_tokens.clear()
         return out

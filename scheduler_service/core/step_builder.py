@@ -25,7 +25,7 @@ from scheduler_service.core.budget import TokenBudget
 from scheduler_service.core.metrics import MetricsRecorder
 from scheduler_service.core.plan_writer import PlanWriter
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
-from scheduler_service.core.prefix import lookup_hashes
+from scheduler_service.core.prefix import cached_prefix, shareable_blocks
 from scheduler_service.core.request import Request, RequestStatus
 from sluice.contract.plan import KVMove, KVMoveKind
 from sluice.contract.profile import BatchShape
@@ -57,6 +57,9 @@ class SchedulerState(Protocol):
     running: dict[str, Request]
     swapped: dict[str, Request]
     kept: dict[str, Request]
+    # hits of waiting requests none of whose blocks others can name, kept across steps:
+    # request id -> (pool evictions then, its num_tokens then, hit)
+    prefix_hits: dict[str, tuple[int, int, list[int]]]
 
     def admit(self, req: Request, now: float) -> None: ...
 
@@ -95,6 +98,7 @@ class StepBuilder:
         self._block_size = scheduler.kv.block_size
         self._caching = scheduler.kv.prefix_caching
         self._hits: dict[str, tuple[int, list[int]]] = {}  # request id -> (pool evictions then, hit)
+        self._kept_hits = scheduler.prefix_hits
 
     # Views of the scheduler's sets (ordered: waiting FCFS with preempted at the head,
     # running in admission order).
@@ -163,13 +167,22 @@ class StepBuilder:
         ):  # NOTE: `not status.is_waiting`, inlined
             return []
         evictions = self.kv.gpu.num_evictions
-        memo = self._hits.get(request.request_id)
+        rid = request.request_id
+        memo = self._hits.get(rid)
         if memo is not None and memo[0] == evictions:
             return memo[1]
+        num_tokens = request.num_tokens
+        kept = self._kept_hits.get(rid)
+        if kept is not None and kept[0] == evictions and kept[1] == num_tokens:
+            # NOTE: a request none of whose blocks others can name: its hit changes only with
+            # evictions (it registers nothing while it waits), so a hit from an earlier step holds
+            self._hits[rid] = (evictions, kept[2])
+            return kept[2]
         size = self._block_size
-        limit = (request.num_tokens - 1) // size
-        hit = self.kv.lookup_prefix(lookup_hashes(request, size, limit)) if limit > 0 else []
-        self._hits[request.request_id] = (evictions, hit)
+        hit = cached_prefix(self.kv, request, (num_tokens - 1) // size)
+        self._hits[rid] = (evictions, hit)
+        if request.prefix_salt is not None and shareable_blocks(request, size) == 0:
+            self._kept_hits[rid] = (evictions, num_tokens, hit)
         return hit
 
     def batch_shape(self) -> BatchShape:
@@ -276,6 +289,7 @@ class StepBuilder:
         request.num_cached_tokens = hit_tokens
         self._sched.metrics.on_prefix_lookup(request.num_prompt_tokens + request.num_output_tokens, hit_tokens)
         self._hits.pop(request.request_id, None)
+        self._kept_hits.pop(request.request_id, None)
 
     def schedule_covered(
         self,

@@ -272,10 +272,12 @@ class Simulation:
         self.truth[tr.request_id] = true_out
         return request
 
-    def _prefix_source(self, tr: TraceRequest) -> PrefixSource:
+    def _prefix_source(self, tr: TraceRequest) -> PrefixSource | None:
         """What names the request's blocks for prefix caching: the trace's block hashes, its
         token ids (with the reference answer's ids for the generated tokens), or nothing
-        (blocks unique to the request)."""
+        (None: blocks unique to the request, which the scheduler then never looks up)."""
+        if not tr.prefix_hash_ids and not tr.prompt_token_ids:
+            return None  # NOTE: the reference answer names blocks only after the prompt's ids
         per = int(self.workload.metadata.get("prefix_block_tokens", 512))
         return PrefixSource(tr.prefix_hash_ids, per, tr.output_token_ids)
 

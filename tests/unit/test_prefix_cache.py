@@ -205,6 +205,74 @@ def test_parking_an_ended_requests_blocks_as_a_run_leaves_the_pool_as_parking_ea
     assert runs.gpu.allocate(runs.gpu.num_available()) == each.gpu.allocate(each.gpu.num_available())
 
 
+OWN_OPS = st.lists(
+    st.tuples(st.sampled_from(["admit", "grow", "release", "swap", "end"]), st.integers(0, 4), st.integers(0, 28)),
+    max_size=80,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(OWN_OPS)
+def test_a_requests_own_run_leaves_the_pool_as_registering_each_of_its_blocks(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    """Requests whose blocks only they can name (salted hashes): `free_owned` + `owned_prefix`
+    (one LRU run, taken back whole) against registering every block under its hash and freeing
+    it: every allocation gets the same block ids, each request finds the same hit, evictions
+    and free counts agree; a swap (`mark_hashed`) or a partial hit turns the run into
+    registered blocks in place."""
+    runs = KVCacheManager(num_gpu_blocks=16, num_cpu_blocks=0, block_size=4, prefix_caching=True)
+    each = KVCacheManager(num_gpu_blocks=16, num_cpu_blocks=0, block_size=4, prefix_caching=True)
+    ended: set[str] = set()
+    for op, who, n in ops:
+        rid = f"r{who}"
+        if rid in ended:  # NOTE: an id is never reused (its hashes would name its old blocks)
+            continue
+        if op == "end":
+            ended.add(rid)
+        hashes = [1000 * (who + 1) + j for j in range(16)]  # unique to the request
+        limit = n % 9
+        for kv in (runs, each):
+            table = kv.gpu_tables.get(rid)
+            full = len(table) if table else 0  # NOTE: every block it holds is full and computed
+            hashed = kv is each or rid in kv.hashed
+            if op == "admit" and table is None:
+                hit = None if hashed else kv.owned_prefix(rid, limit)
+                if hit is None:
+                    hit = kv.lookup_prefix(hashes[:limit])
+                hashed = kv is each or rid in kv.hashed  # NOTE: a partial hit registers the run
+                if kv.allocate(rid, max(n, 1, 4 * len(hit)), prefix=hit) is not None and hashed:
+                    kv.cache_blocks(rid, hashes, len(kv.gpu_tables[rid]))  # registered as they fill
+            elif op == "grow" and table is not None:
+                if kv.allocate(rid, kv.capacity(rid) + n) is not None and hashed:
+                    kv.cache_blocks(rid, hashes, len(kv.gpu_tables[rid]))
+            elif op == "release" and table is not None:
+                if hashed:
+                    kv.cache_blocks(rid, hashes, full)
+                    kv.free(rid)
+                else:
+                    kv.free_owned(rid, full, lambda k, h=hashes: h[:k])
+            elif op == "swap" and table is not None:
+                if not hashed:
+                    kv.mark_hashed(rid)
+                kv.cache_blocks(rid, hashes, full)
+                kv.free(rid)
+            elif op == "end":
+                if hashed:
+                    kv.free(rid)
+                else:
+                    kv.free_parked(rid, full)
+                kv.forget_owner(rid)
+            kv.check_invariants()
+        assert runs.gpu_tables == each.gpu_tables
+        assert (runs.gpu.num_evictions, runs.gpu.num_free, runs.gpu.num_evictable) == (
+            each.gpu.num_evictions,
+            each.gpu.num_free,
+            each.gpu.num_evictable,
+        )
+    assert runs.gpu.allocate(runs.gpu.num_available()) == each.gpu.allocate(each.gpu.num_available())
+
+
 def request(rid: str, prompt: int, **kw: object) -> Request:
     return Request(rid, arrival_time=0.0, num_prompt_tokens=prompt, **kw)  # type: ignore[arg-type]
 
