@@ -279,21 +279,12 @@ class BlockPool:
         request's table, its full unregistered ones parked. The parked ones, which reach the
         LRU one after another, wait there as one run (same order, same ages)."""
         run = table[start:stop]
-        ref = self._ref
-        # NOTE: an unregistered block has one owner (only registered blocks are shared)
-        # NOTE: the reference counts read by map (a generator per ended request was most of this call)
-        if not run or not self._hash_of.keys().isdisjoint(run) or set(map(ref.__getitem__, run)) != {1}:
+        if not self._one_owner_each(run):
             self.park_all(run)
             self.free(reversed(table))
             return
         self.free(table[: stop - 1 : -1])
-        run.reverse()
-        for b in run:
-            ref[b] = 0
-        self._runs += 1
-        self._evictable[-self._runs] = run
-        self._num_runs += 1
-        self._num_parked += len(run)
+        self._keep_run(run)
         self.free(table[start - 1 :: -1] if start else ())
 
     def free_owned(self, table: list[int], stop: int) -> int:
@@ -302,11 +293,22 @@ class BlockPool:
         run, in the order `free` would have put them there: its key, for the owner to find the
         run again (`take_run`); 0 when the blocks do not qualify (nothing changed then)."""
         run = table[:stop]
-        ref = self._ref
-        if not run or not self._hash_of.keys().isdisjoint(run) or set(map(ref.__getitem__, run)) != {1}:
+        if not self._one_owner_each(run):
             return 0
         self.free(table[: stop - 1 : -1])
+        return self._keep_run(run)
+
+    def _one_owner_each(self, run: list[int]) -> bool:
+        """Whether `run` is non-empty, none of its blocks registered, and each held once."""
+        # NOTE: an unregistered block has one owner (only registered blocks are shared)
+        # NOTE: the reference counts read by map (a generator per ended request was most of this call)
+        return bool(run) and self._hash_of.keys().isdisjoint(run) and set(map(self._ref.__getitem__, run)) == {1}
+
+    def _keep_run(self, run: list[int]) -> int:
+        """Frees `run` (first block first) into the LRU as one run, in the order and at the ages
+        freeing its blocks last to first would give them; returns the run's key."""
         run.reverse()
+        ref = self._ref
         for b in run:
             ref[b] = 0
         self._runs += 1
