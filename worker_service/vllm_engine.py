@@ -60,7 +60,6 @@ from worker_service.vllm_kv import NULL_BLOCKS, LayerTensorsKVCache
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 from vllm.engine.arg_utils import EngineArgs
-from vllm.envs import enable_envs_cache
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
 from vllm.v1.core.kv_cache_utils import (
     get_kv_cache_config_from_groups,
@@ -280,11 +279,10 @@ class VllmEngine:
         self.book.reset(num_gpu_blocks, num_cpu_blocks)
 
     def warm_up(self) -> None:
-        """vLLM compiled and warmed its model when the KV cache was bound. What vLLM's own EngineCore
-        does once it is set up, done here as the worker hosts no EngineCore: its environment
-        settings cached (uncached, the runner reads three a step at 3.4 us each on this machine's
-        CPU: docs/results/vllm_engine.md, "The per-step hand-off and the worker's other threads")."""
-        enable_envs_cache()
+        """vLLM compiled and warmed its model when the KV cache was bound. vLLM's environment
+        settings are left uncached (its EngineCore caches them once set up): cached, every later
+        vLLM engine of the process reads the first one's (docs/results/vllm_engine.md, "The
+        per-step hand-off and the worker's other threads")."""
 
     def release(self, request_ids: Iterable[str]) -> list[str]:
         released = self.book.release(request_ids)

@@ -335,15 +335,6 @@ def engine(checkpoints: dict[str, Path]) -> VllmEngine:
     return eng
 
 
-def test_warm_up_caches_vllms_environment_settings_as_its_engine_core_does(engine: VllmEngine) -> None:
-    import vllm.envs as envs
-
-    envs.disable_envs_cache()  # NOTE: vLLM's own LLM in this test process may have cached them already
-    assert not envs._is_envs_cache_enabled()
-    engine.warm_up()
-    assert envs._is_envs_cache_enabled(), "the runner reads settings every step: read once, as EngineCore leaves them"
-
-
 def test_a_prefix_cache_hit_computes_only_the_suffix_and_changes_no_token(engine: VllmEngine) -> None:
     shared = PROMPTS[4][:128]  # four full blocks
     prompt_b = [*shared, 7, 8, 9]
