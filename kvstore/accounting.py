@@ -561,11 +561,7 @@ class KVCacheManager:
         del self.gpu_tables[request_id]
         self.gpu.free_parking(table, start, max(start, min(num_full_blocks, len(table))))
         n = len(table)
-        cpu = self.cpu_tables.pop(request_id, None)
-        if cpu:
-            self.cpu.free(cpu)
-            n += len(cpu)
-        return n
+        return n + self._free_cpu(request_id)
 
     def free_owned(self, request_id: str, num_full_blocks: int, hashes: Callable[[int], Sequence[int]]) -> int:
         """Frees the request's blocks while it lives on (a recompute preemption, the end of a
@@ -591,11 +587,7 @@ class KVCacheManager:
                     for b, h in zip(table[:stop], hashes(stop), strict=False):
                         self.gpu.register(b, h)
                 self.gpu.free(reversed(table))
-        cpu = self.cpu_tables.pop(request_id, None)
-        if cpu:
-            self.cpu.free(cpu)
-            n += len(cpu)
-        return n
+        return n + self._free_cpu(request_id)
 
     def owned_prefix(self, request_id: str, limit: int) -> list[int] | None:
         """The request's own run (`free_owned`) as a prefix hit, in table order: what is left of
@@ -652,11 +644,15 @@ class KVCacheManager:
         if table:
             self.gpu.free(reversed(table))
             n += len(table)
+        return n + self._free_cpu(request_id)
+
+    def _free_cpu(self, request_id: str) -> int:
+        """Releases the request's CPU (swap) blocks; returns how many."""
         table = self.cpu_tables.pop(request_id, None)
-        if table:
-            self.cpu.free(table)
-            n += len(table)
-        return n
+        if not table:
+            return 0
+        self.cpu.free(table)
+        return len(table)
 
     def free_tail(self, request_id: str, num_tokens_kept: int) -> list[int]:
         """Frees the GPU blocks past those needed for `num_tokens_kept` (over-reservation)."""

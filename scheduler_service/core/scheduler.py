@@ -296,14 +296,12 @@ class Scheduler:
         kv = self.kv
         rid = req.request_id
         self.prefix_hits.pop(rid, None)
-        if rid not in kv.gpu_tables:  # NOTE: nothing to register (what it left here before stays)
-            req.cache_due = 0
-            if self.overlap:
-                self._void(req)
-            kv.free(rid)
-            return
-        if not kv.prefix_caching or kv.num_registered(rid) or not owns_blocks(req, kv):
-            self.flush_blocks(req)  # NOTE: before `_void`, while its steps in flight still count
+        here = rid in kv.gpu_tables
+        if not here or not kv.prefix_caching or kv.num_registered(rid) or not owns_blocks(req, kv):
+            if here:
+                self.flush_blocks(req)  # NOTE: before `_void`, while its steps in flight still count
+            else:
+                req.cache_due = 0  # NOTE: nothing to register (what it left here before stays)
             if self.overlap:
                 self._void(req)
             kv.free(rid)
