@@ -17,7 +17,7 @@ that asks for a chunk gets a chunk of uncached tokens. `tokens_to_compute` and
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from kvstore.accounting import AllocationMode, KVCacheManager, required_tokens
@@ -350,6 +350,16 @@ class StepBuilder:
             else:
                 return req
         return None
+
+    def table_cover(self) -> tuple[Mapping[str, list[int]], dict[str, int], int] | None:
+        """(GPU block tables, this step's scheduled tokens, block size) when
+        `schedule_if_covered` is the plain test "the table holds every token of the step"
+        (block allocation); None when it is not (MAX mode reserves to max_tokens, unbudgeted
+        modes have no table to test): then call it. Walks over hundreds of jobs a step write the
+        test out with these (a call fewer per job)."""
+        if not self._block_mode:  # NOTE: BLOCK or RESERVED; MAX mode is the other kind
+            return None
+        return self._tables, self.scheduled, self._block_size
 
     def schedule_if_covered(self, request: Request, num_tokens: int) -> bool:
         """`schedule`'s fast half: advances a running request whose blocks already cover the

@@ -32,12 +32,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from operator import attrgetter
 
-from scheduler_service.core.budget import TokenBudget
 from scheduler_service.core.policy import Policy, PolicyConfig, PolicyContext
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
-from scheduler_service.policies.paused_index import Covered, PausedIndex, RankedHolders
+from scheduler_service.policies.paused_index import PausedIndex, RankedHolders
 
 # NOTE: a waiting head whose prompt does not fit the step's leftover tokens is set aside;
 # after this many the walk stops looking at waiting jobs for this step (bounds the pops).
@@ -59,10 +58,9 @@ class RankDeque(deque[Request]):
             return self.popleft()
         return None
 
-    def run_covered(
-        self, limit: Rank | None, budget: TokenBudget, covered: Covered, resumed: Covered
-    ) -> Request | None:
+    def run_covered(self, limit: Rank | None, step: StepBuilder) -> Request | None:
         """RankedHolders.run_covered over the deque."""
+        budget, covered, resumed = step.budget, step.schedule_if_covered, step.resume_if_covered
         while self and budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
             job = self[0]
             if limit is not None and job.policy_state.rank > limit:
@@ -404,7 +402,6 @@ class QueuePolicy(Policy):
         skipped: list[tuple[float, int, int, Request]] = []  # the set-aside heads' heap entries
         budget, queues = step.budget, self.queues
         run_kv_job, run_covered = self._run_kv_job, kv_jobs.run_covered
-        covered, resumed = step.schedule_if_covered, step.resume_if_covered
         tokens_to_compute, scheduled = step.tokens_to_compute, step.scheduled
         heaps, counts, sums, heappop = queues.heaps, queues.counts, queues.sums, heapq.heappop
         waiting_open = admit_waiting
@@ -436,7 +433,7 @@ class QueuePolicy(Policy):
             # does, and it would stop at once): after each admitted or set-aside head, dozens a step.
             stopped_at = kv_jobs.stopped_at
             if head_rank is None or stopped_at is None or stopped_at < head_rank:
-                job = run_covered(head_rank, budget, covered, resumed)
+                job = run_covered(head_rank, step)
                 if job is not None:
                     run_kv_job(step, job, kv_jobs)
                     continue

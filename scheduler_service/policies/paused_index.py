@@ -22,17 +22,16 @@ A job's `JobState.filed` is its entry while it is in the list (None: not in it).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from scheduler_service.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from scheduler_service.core.budget import TokenBudget
+    from scheduler_service.core.step_builder import StepBuilder
     from scheduler_service.policies.mlfq import Rank
 
 Entry = tuple[int, float, int, Request]  # a rank's fields, then its job
-Covered = Callable[[Request, int], bool]  # StepBuilder.schedule_if_covered, .resume_if_covered
 
 _KEPT, _SWAPPED = RequestStatus.PREEMPTED_KEPT, RequestStatus.PREEMPTED_SWAPPED
 _DECODING, _PREFILLING = RequestStatus.DECODING, RequestStatus.PREFILLING
@@ -196,9 +195,7 @@ class RankedHolders:
             return paused[3]
         return None
 
-    def run_covered(
-        self, limit: Rank | None, budget: TokenBudget, covered: Covered, resumed: Covered
-    ) -> Request | None:
+    def run_covered(self, limit: Rank | None, step: StepBuilder) -> Request | None:
         """Pops jobs in rank order while they rank at or before `limit` (None: any) and the
         budget has seats and tokens: a running one is scheduled with `covered(job, tokens to
         compute)`, a kept one resumed and scheduled with `resumed(job, tokens)`; returns the
@@ -208,6 +205,12 @@ class RankedHolders:
         run, lo, hi = self._run, self._lo, self._hi
         index = self._index
         paused, plo, phi = self._paused, index.lo, index.hi
+        budget, covered, resumed = step.budget, step.schedule_if_covered, step.resume_if_covered
+        # NOTE: with block allocation `covered` is written out below (the table holds the
+        # step's tokens and the budget has room): a call fewer per running job, about 130 a
+        # FastServe step; the seat test is the loop's, and nothing takes a seat in between.
+        view = step.table_cover()
+        tables, scheduled, block_size = view if view is not None else ({}, {}, 0)
         while budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
             # NOTE: an entry against a rank compares its three fields first: never equal
             if lo < hi and (plo >= phi or run[lo] < paused[plo]):
@@ -226,10 +229,26 @@ class RankedHolders:
                 break
             job = entry[3]
             status = job.status
-            n = job.num_prompt_tokens + job.num_output_tokens - job.num_computed_tokens
+            computed = job.num_computed_tokens
+            n = job.num_prompt_tokens + job.num_output_tokens - computed
             if status is _DECODING or status is _PREFILLING:
-                if covered(job, n):
-                    continue
+                if view is None:
+                    if covered(job, n):
+                        continue
+                else:
+                    rid = job.request_id
+                    table = tables.get(rid)
+                    if (
+                        n > 0
+                        and table is not None
+                        and rid not in scheduled
+                        and len(table) * block_size >= computed + n
+                        and budget.num_tokens + n <= budget.max_tokens
+                    ):
+                        budget.num_tokens += n
+                        budget.num_seqs += 1
+                        scheduled[rid] = n
+                        continue
             elif status is _KEPT and resumed(job, n):
                 continue
             self._lo, index.lo = lo, plo
