@@ -481,16 +481,26 @@ class StepBuilder:
         self._sched.return_to_pool(request, self.now)
 
     def shrink_allocation(self, request: Request, num_tokens_kept: int) -> list[int]:
-        self._sched.flush_blocks(request)
+        self._flush_if_leaving(request, self.kv.num_blocks_for(num_tokens_kept))
         freed = self.kv.free_tail(request.request_id, num_tokens_kept)
         if freed:
             self._sched.plans.replace_table(request.request_id)
         return freed
 
+    def _flush_if_leaving(self, request: Request, keep: int) -> None:
+        """`flush_blocks` before the request's table is cut to its first `keep` blocks, when a
+        full block of computed KV is among those that leave (registered then, it stays cached
+        as when it was freed whole). Otherwise nothing it could find later leaves: its blocks
+        register as they would have (as they fill, or when its KV is freed), and a request
+        that owns its blocks keeps owning them (EconoServe trims and lends the unused tail of
+        every reservation: hashing each kept block then was most of its prefix-caching cost)."""
+        if self._caching and self._sched.computed_on_worker(request) // self._block_size > keep:
+            self._sched.flush_blocks(request)
+
     def lend_blocks(self, host: Request, guest: Request, num_blocks: int) -> list[int]:
         """Moves the tail of the host's allocation to the guest (EconoServe KV pipelining)."""
-        self._sched.flush_blocks(host)
-        self._sched.flush_blocks(guest)
+        # NOTE: the guest's KV stays where it is (its table only grows): nothing to flush
+        self._flush_if_leaving(host, len(self._tables.get(host.request_id, ())) - num_blocks)
         moved = self.kv.transfer_tail(host.request_id, guest.request_id, num_blocks)
         self._sched.plans.replace_table(host.request_id)
         return moved

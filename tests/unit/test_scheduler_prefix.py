@@ -202,3 +202,35 @@ def test_shareable_blocks_end_at_the_first_salted_block() -> None:
         "v", arrival_time=0.0, prompt_token_ids=list(range(30)), prefix_source=PrefixSource((), 512, (1,) * 10)
     )
     assert shareable_blocks(answer, 4) == 40 // 4
+
+
+def test_trimming_or_lending_the_unused_tail_of_a_reservation_leaves_a_request_owning_its_blocks() -> None:
+    """EconoServe trims and lends the blocks a request reserved beyond its computed KV: none of
+    that KV leaves, so nothing is hashed and the request's freed KV stays its own run."""
+    sched = make_scheduler("vllm", prefix_caching=True, num_gpu_blocks=64)
+    for rid in ("a", "b"):
+        sched.add_request(salted(rid, 29, 40), 0.0)
+    for t in range(6):
+        step(sched, t * 0.01)
+    a, b = sched.requests["a"], sched.requests["b"]
+    computed = a.num_computed_tokens
+    assert sched.kv.allocate("a", computed + 6 * 4) is not None  # six blocks past its KV
+    builder = StepBuilder(sched, TokenBudget(64, 16), 1.0)
+    assert len(builder.shrink_allocation(a, computed + 3 * 4)) >= 2
+    assert len(builder.lend_blocks(a, b, 2)) == 2
+    assert "a" not in sched.kv.hashed and "b" not in sched.kv.hashed
+    assert sched.kv.num_registered("a") == 0 and sched.kv.num_registered("b") == 0 and not sched.kv.gpu.by_hash
+    sched.kv.gpu.check_invariants()
+
+
+def test_trimming_into_its_computed_kv_registers_the_blocks_that_leave() -> None:
+    sched = make_scheduler("vllm", prefix_caching=True, num_gpu_blocks=64)
+    sched.add_request(salted("a", 29, 40), 0.0)
+    for t in range(6):
+        step(sched, t * 0.01)
+    a = sched.requests["a"]
+    full = a.num_computed_tokens // 4
+    builder = StepBuilder(sched, TokenBudget(64, 16), 1.0)
+    builder.shrink_allocation(a, 2 * 4)  # keeps two blocks: full - 2 computed ones leave
+    assert "a" in sched.kv.hashed and sched.kv.gpu.num_cached == full
+    sched.kv.gpu.check_invariants()
