@@ -493,7 +493,7 @@ class StepBuilder:
         as when it was freed whole). Otherwise nothing it could find later leaves: its blocks
         register as they would have (as they fill, or when its KV is freed), and a request
         that owns its blocks keeps owning them (EconoServe trims and lends the unused tail of
-        every reservation: hashing each kept block then was most of its prefix-caching cost)."""
+        every reservation: flushing there hashed and registered every block of those requests)."""
         if self._caching and self._sched.computed_on_worker(request) // self._block_size > keep:
             self._sched.flush_blocks(request)
 

@@ -14,6 +14,7 @@ from scheduler_service.core.budget import TokenBudget
 from scheduler_service.core.policy import POLICIES
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.step_builder import StepBuilder
 from sluice.contract.sampling import SamplingParams
 
@@ -153,21 +154,26 @@ def salted(rid: str, prompt: int, output: int) -> Request:
     )
 
 
-def test_a_request_whose_blocks_nobody_can_share_is_never_hashed_while_it_runs() -> None:
+def running_salted(*rids: str, steps: int = 12) -> Scheduler:
+    """A vllm scheduler with prefix caching whose salted requests (29-token prompts, 40 outputs)
+    have run `steps` steps."""
     sched = make_scheduler("vllm", prefix_caching=True, num_gpu_blocks=64)
-    sched.add_request(salted("a", 29, 40), 0.0)
-    for t in range(12):
+    for rid in rids:
+        sched.add_request(salted(rid, 29, 40), 0.0)
+    for t in range(steps):
         step(sched, t * 0.01)
+    return sched
+
+
+def test_a_request_whose_blocks_nobody_can_share_is_never_hashed_while_it_runs() -> None:
+    sched = running_salted("a")
     a = sched.requests["a"]
     assert a.num_computed_tokens >= 36 and sched.kv.num_registered("a") == 0
     assert a.block_hashes is None and a.prefix_salt is None and sched.kv.gpu.num_cached == 0
 
 
 def test_its_blocks_are_hashed_when_its_kv_is_freed_and_found_again() -> None:
-    sched = make_scheduler("vllm", prefix_caching=True, num_gpu_blocks=64)
-    sched.add_request(salted("a", 29, 40), 0.0)
-    for t in range(12):
-        step(sched, t * 0.01)
+    sched = running_salted("a")
     a = sched.requests["a"]
     computed = a.num_computed_tokens
     sched.preempt(a, PreemptionMode.RECOMPUTE, PreemptionReason.KV_PRESSURE, 0.2, to_front=True)
@@ -207,11 +213,7 @@ def test_shareable_blocks_end_at_the_first_salted_block() -> None:
 def test_trimming_or_lending_the_unused_tail_of_a_reservation_leaves_a_request_owning_its_blocks() -> None:
     """EconoServe trims and lends the blocks a request reserved beyond its computed KV: none of
     that KV leaves, so nothing is hashed and the request's freed KV stays its own run."""
-    sched = make_scheduler("vllm", prefix_caching=True, num_gpu_blocks=64)
-    for rid in ("a", "b"):
-        sched.add_request(salted(rid, 29, 40), 0.0)
-    for t in range(6):
-        step(sched, t * 0.01)
+    sched = running_salted("a", "b", steps=6)
     a, b = sched.requests["a"], sched.requests["b"]
     computed = a.num_computed_tokens
     assert sched.kv.allocate("a", computed + 6 * 4) is not None  # six blocks past its KV
@@ -224,10 +226,7 @@ def test_trimming_or_lending_the_unused_tail_of_a_reservation_leaves_a_request_o
 
 
 def test_trimming_into_its_computed_kv_registers_the_blocks_that_leave() -> None:
-    sched = make_scheduler("vllm", prefix_caching=True, num_gpu_blocks=64)
-    sched.add_request(salted("a", 29, 40), 0.0)
-    for t in range(6):
-        step(sched, t * 0.01)
+    sched = running_salted("a", steps=6)
     a = sched.requests["a"]
     full = a.num_computed_tokens // 4
     builder = StepBuilder(sched, TokenBudget(64, 16), 1.0)
