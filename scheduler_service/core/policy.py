@@ -104,6 +104,12 @@ class Policy(ABC):
     def on_preempted(self, request: Request, now: float) -> None:
         """A request left the batch unfinished (its status says how)."""
 
+    def on_paused(self, requests: list[Request], now: float) -> None:
+        """Running requests were paused (kept, KV on the GPU) in one go; by default
+        `on_preempted` of each, in order (queue policies pause dozens a step)."""
+        for request in requests:
+            self.on_preempted(request, now)
+
     def on_finished(self, request: Request, now: float) -> None:
         """A request finished, was aborted or timed out: drop any index entries."""
 

@@ -440,7 +440,7 @@ class Scheduler:
     def pause(self, requests: list[Request], reason: PreemptionReason, now: float) -> None:
         """`preempt(req, KEEP, reason, now)` of each running request in turn (queue policies
         pause dozens a step), with the preemption counter added to once for all of them."""
-        running, kept, on_preempted = self.running, self.kept, self.policy.on_preempted
+        running, kept = self.running, self.kept
         status = RequestStatus.PREEMPTED_KEPT
         for req in requests:
             rid = req.request_id
@@ -450,7 +450,7 @@ class Scheduler:
             kept[rid] = req
             req.queue_enter_time = now
             req.num_preemptions += 1
-            on_preempted(req, now)
+        self.policy.on_paused(requests, now)
         self.metrics.on_pauses(requests, reason, now)
 
     def resume(self, req: Request, now: float, *, table_replaced: bool) -> None:

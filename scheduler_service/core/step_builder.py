@@ -473,6 +473,16 @@ class StepBuilder:
         self.scheduled[rid] = num_tokens
         return True
 
+    def resume_covered(self, request: Request, num_tokens: int) -> None:
+        """`resume_if_covered`'s move without its test, for a walk that made the test itself
+        from `table_cover()` (the request is kept, its table holds the step's tokens, the
+        budget has the seat and the tokens): FastServe resumes about 55 jobs a step."""
+        self._sched.resume(request, self.now, table_replaced=False)
+        budget = self.budget
+        budget.num_tokens += num_tokens
+        budget.num_seqs += 1
+        self.scheduled[request.request_id] = num_tokens
+
     def return_to_pool(self, request: Request) -> None:
         """Frees the request's KV and hands it back to the router (SCLS slices end this way);
         its generated tokens are kept and prefilled again wherever it runs next."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 from abc import abstractmethod
-from bisect import bisect_right
+from bisect import bisect_right, insort
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -43,6 +43,7 @@ from scheduler_service.policies.paused_index import PausedIndex, RankedHolders
 MAX_SKIPPED_WAITING = 32
 
 Rank = tuple[int, float, int]
+QueueEntry = tuple[float, int, int, Request]  # a waiting job's (key, seq, version, job)
 _DECODING, _PREFILLING = RequestStatus.DECODING, RequestStatus.PREFILLING
 
 
@@ -107,10 +108,18 @@ class JobState:
 
 
 class LevelQueues:
-    """One heap per level of the waiting (KV-less) jobs, with per-level counts and sums."""
+    """One heap per level of the waiting (KV-less) jobs, with per-level counts and sums.
+
+    Each level also has a front: a short sorted list of entries that rank before every entry
+    of its heap, read before the heap. A step takes waiting heads and puts back those it set
+    aside (a prompt the tokens left cannot hold: about 30 a FastServe step, the same heads
+    step after step); they go back to the front as they came out, instead of each sifting
+    through a heap of thousands twice. Entries are (key, seq, version, job); ranks are unique,
+    so the fronts and heaps together give the order one heap would."""
 
     def __init__(self, num_levels: int) -> None:
-        self.heaps: list[list[tuple[float, int, int, Request]]] = [[] for _ in range(num_levels)]
+        self.heaps: list[list[QueueEntry]] = [[] for _ in range(num_levels)]
+        self.fronts: list[list[QueueEntry]] = [[] for _ in range(num_levels)]  # ascending, before the heap
         self.counts = [0] * num_levels
         self.sums = [0.0] * num_levels
         self.changes = 0  # bumped by every push and discard: a peeked head is stale once it moves
@@ -125,12 +134,35 @@ class LevelQueues:
         st.version += 1
         st.in_heap = True
         self.changes += 1
-        heapq.heappush(self.heaps[st.level], (st.key, st.seq, st.version, req))
+        self._file((st.key, st.seq, st.version, req), st.level)
         self.counts[st.level] += 1
         self.sums[st.level] += st.weight
 
+    def _file(self, entry: QueueEntry, level: int) -> None:
+        """Files an entry where it keeps the front before its heap."""
+        front = self.fronts[level]
+        if front and entry < front[-1]:
+            insort(front, entry)
+        else:
+            heapq.heappush(self.heaps[level], entry)
+
+    def put_back(self, entries: list[QueueEntry]) -> None:
+        """Files again, unchanged, live entries taken from this level's heads this step (their
+        jobs untouched since). Those ranked before the level's front and heap go to the
+        front in one move; the rest are filed one by one."""
+        entries.sort()
+        level = entries[0][3].policy_state.level
+        front, heap = self.fronts[level], self.heaps[level]
+        last = entries[-1]
+        if (not front or last < front[0]) and (not heap or last < heap[0]):
+            front[:0] = entries
+        else:
+            for entry in entries:
+                self._file(entry, level)
+        self.changes += 1
+
     def discard(self, req: Request) -> None:
-        """Takes a job out (lazily: its heap entry goes stale)."""
+        """Takes a job out (lazily: its entry goes stale)."""
         st: JobState = req.policy_state
         if not st.in_heap:
             return
@@ -141,10 +173,16 @@ class LevelQueues:
         self.sums[st.level] -= st.weight
 
     def peek(self) -> Request | None:
-        for heap in self.heaps:
+        for front, heap in zip(self.fronts, self.heaps, strict=True):
+            while front:
+                _, _, version, req = front[0]
+                st: JobState = req.policy_state
+                if st.in_heap and st.version == version:
+                    return req
+                del front[0]
             while heap:
                 _, _, version, req = heap[0]
-                st: JobState = req.policy_state
+                st = req.policy_state
                 if st.in_heap and st.version == version:
                     return req
                 heapq.heappop(heap)
@@ -157,8 +195,14 @@ class LevelQueues:
         return req
 
     def take(self, head: Request) -> None:
-        """Pops `head`, which `peek` returned with no push or discard since."""
-        heapq.heappop(self.heaps[head.policy_state.level])
+        """Pops `head`, which `peek` returned with no push or discard since (a live entry at its
+        level's front is the head: `peek` dropped the stale ones before it)."""
+        level = head.policy_state.level
+        front = self.fronts[level]
+        if front:
+            del front[0]
+        else:
+            heapq.heappop(self.heaps[level])
         self.discard(head)
 
 
@@ -216,6 +260,11 @@ class QueuePolicy(Policy):
             self.requeue(request)
         if self.index_paused:
             self.paused.pending.append(request)  # PausedIndex.touch (dozens of pauses a step)
+
+    def on_paused(self, requests: list[Request], now: float) -> None:
+        # NOTE: `on_preempted` of each (kept jobs: nothing to requeue), in one call
+        if self.index_paused:
+            self.paused.pending.extend(requests)
 
     def on_finished(self, request: Request, now: float) -> None:
         if isinstance(request.policy_state, JobState):
@@ -399,14 +448,16 @@ class QueuePolicy(Policy):
         victims (deque's right end)."""
         kv_jobs = self.kv_holders(step)
         self.admitted = []
-        skipped: list[tuple[float, int, int, Request]] = []  # the set-aside heads' heap entries
+        skipped: list[QueueEntry] = []  # the set-aside heads' entries
         budget, queues = step.budget, self.queues
         run_kv_job, run_covered = self._run_kv_job, kv_jobs.run_covered
         tokens_to_compute, scheduled = step.tokens_to_compute, step.scheduled
-        heaps, counts, sums, heappop = queues.heaps, queues.counts, queues.sums, heapq.heappop
+        levels = list(zip(queues.fronts, queues.heaps, strict=True))
+        counts, sums, heappop = queues.counts, queues.sums, heapq.heappop
         waiting_open = admit_waiting
         head: Request | None = None
         head_rank: Rank | None = None  # a KV job runs first if it ranks at or before it (None: no head)
+        head_at: list[QueueEntry] = []  # the front or heap whose first entry is the head's
         peeked = -1  # queues.changes when head was peeked
         while budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
             if not waiting_open:
@@ -416,12 +467,21 @@ class QueuePolicy(Policy):
                 # sent back to recompute): most of a step is running jobs ranked ahead.
                 # `queues.peek()` and `filed_rank`, inlined (40 to 250 heads a step)
                 head = head_rank = None
-                for heap in heaps:
+                for front, heap in levels:
+                    while front:
+                        top = front[0]
+                        st = top[3].policy_state
+                        if st.in_heap and st.version == top[2]:
+                            head, head_rank, head_at = top[3], (st.level, st.key, st.seq), front
+                            break
+                        del front[0]
+                    if head is not None:
+                        break
                     while heap:
                         top = heap[0]
                         st = top[3].policy_state
                         if st.in_heap and st.version == top[2]:
-                            head, head_rank = top[3], (st.level, st.key, st.seq)
+                            head, head_rank, head_at = top[3], (st.level, st.key, st.seq), heap
                             break
                         heappop(heap)
                     if head is not None:
@@ -443,7 +503,7 @@ class QueuePolicy(Policy):
                 break
             # NOTE: `queues.take(head)` (peeked when `changes` was what it is now), inlined
             st = head.policy_state
-            top = heappop(heaps[st.level])
+            top = heappop(head_at) if head_at is levels[st.level][1] else head_at.pop(0)
             st.in_heap = False
             st.version += 1
             queues.changes += 1
@@ -465,6 +525,7 @@ class QueuePolicy(Policy):
             elif not verdict:
                 skipped.append(top)
                 waiting_open = len(skipped) < MAX_SKIPPED_WAITING
+        back: dict[int, list[QueueEntry]] = {}  # untouched set-aside entries by level
         for top in skipped:
             req = top[3]
             if not req.status.is_waiting:
@@ -473,16 +534,18 @@ class QueuePolicy(Policy):
             if not st.in_heap and st.version == top[2] + 1:
                 # NOTE: untouched since it was taken: its entry goes back as it was (what `push`
                 # does, less a new version and a new tuple: about 30 heads a step, each tuple one
-                # more young object for the collector). Entries of one job differ only in version,
-                # older ones are stale, so the heap orders every live entry as `push` would.
+                # more young object for the collector), to its level's front when it still
+                # ranks first there (`put_back`). Entries of one job differ only in version,
+                # older ones are stale, so every live entry is ordered as `push` would order it.
                 st.version -= 1
                 st.in_heap = True
-                queues.changes += 1
-                heapq.heappush(heaps[st.level], top)
                 counts[st.level] += 1
                 sums[st.level] += st.weight
+                back.setdefault(st.level, []).append(top)
             else:
                 queues.push(req)
+        for entries in back.values():
+            queues.put_back(entries)
 
     def _run_kv_job(self, step: StepBuilder, req: Request, victims: Victims) -> None:
         n = req.num_tokens_to_compute

@@ -181,3 +181,83 @@ def test_paused_jobs_handed_back_to_the_router_leave_both_indexes_exact() -> Non
     second.assert_empty()
     assert first.policy.paused.rebuilds == 0
     assert second.policy.paused.rebuilds == 0
+
+
+def test_level_queues_with_fronts_give_the_order_of_one_heap() -> None:
+    """Heads taken and put back (set aside by a step) sit in their level's front; with
+    requeues of smaller keys (also while heads are out), discards and re-keys in between,
+    every take still returns the best live job, as a single heap of every waiting job would."""
+    import random
+
+    from scheduler_service.policies.mlfq import LevelQueues
+
+    rng = random.Random(7)
+    queues = LevelQueues(3)
+    jobs = [make_request(f"j{i}", 4, 4) for i in range(300)]
+    waiting: set[int] = set()
+    seq = 0
+    fronts_used = 0
+    for i, job in enumerate(jobs):
+        seq += 1
+        job.policy_state = JobState(level=rng.randrange(3), key=float(rng.randrange(1000)), seq=seq, clock=0.0)
+        if i < 200:
+            queues.push(job)
+            waiting.add(i)
+
+    def requeue(i: int) -> None:
+        # a job back from recompute (its state, and so its entries' versions, carried over)
+        nonlocal seq
+        seq += 1
+        st = jobs[i].policy_state
+        st.level, st.key, st.seq = rng.randrange(3), float(rng.randrange(50)), seq
+        queues.push(jobs[i])
+        waiting.add(i)
+
+    def best() -> int | None:
+        live = [(jobs[i].policy_state.level, jobs[i].policy_state.key, jobs[i].policy_state.seq, i) for i in waiting]
+        return min(live)[3] if live else None
+
+    for _ in range(400):
+        # a step: take a few heads, set some aside and put them back, as `fill_batch` does
+        taken: list[int] = []
+        for _ in range(rng.randrange(1, 6)):
+            head = queues.peek()
+            expected = best()
+            assert (head is None) == (expected is None)
+            if head is None:
+                break
+            assert head is jobs[expected]
+            queues.take(head)
+            waiting.discard(expected)
+            taken.append(expected)
+        if rng.random() < 0.3 and len(waiting) < len(jobs):
+            # an eviction in the step sends a job back to recompute, its key before the heads'
+            requeue(rng.choice([k for k in range(len(jobs)) if k not in waiting and k not in taken]))
+        aside = [i for i in taken if rng.random() < 0.6]
+        by_level: dict[int, list[tuple[float, int, int, object]]] = {}
+        for i in aside:
+            st = jobs[i].policy_state
+            st.version -= 1  # untouched since taken: its entry goes back as it was
+            st.in_heap = True
+            queues.counts[st.level] += 1
+            by_level.setdefault(st.level, []).append((st.key, st.seq, st.version, jobs[i]))
+            waiting.add(i)
+        for entries in by_level.values():
+            queues.put_back(entries)
+        fronts_used = max(fronts_used, sum(map(len, queues.fronts)))
+        # between steps: a requeue with a small key, a re-key of a waiting job, a discard
+        move = rng.random()
+        if move < 0.3 and len(waiting) < len(jobs):
+            requeue(rng.choice([k for k in range(len(jobs)) if k not in waiting]))
+        elif move < 0.5 and waiting:
+            i = rng.choice(sorted(waiting))
+            queues.discard(jobs[i])
+            jobs[i].policy_state.level = rng.randrange(3)
+            jobs[i].policy_state.key = float(rng.randrange(1000))
+            queues.push(jobs[i])
+        elif move < 0.6 and waiting:
+            i = rng.choice(sorted(waiting))
+            queues.discard(jobs[i])
+            waiting.discard(i)
+        assert len(queues) == len(waiting)
+    assert fronts_used > 0  # the put-backs went to the fronts
