@@ -45,6 +45,7 @@ MAX_SKIPPED_WAITING = 32
 Rank = tuple[int, float, int]
 QueueEntry = tuple[float, int, int, Request]  # a waiting job's (key, seq, version, job)
 _DECODING, _PREFILLING = RequestStatus.DECODING, RequestStatus.PREFILLING
+_WAITING, _RECOMPUTE = RequestStatus.WAITING, RequestStatus.PREEMPTED_RECOMPUTE
 
 
 class RankDeque(deque[Request]):
@@ -509,7 +510,11 @@ class QueuePolicy(Policy):
             queues.changes += 1
             counts[st.level] -= 1
             sums[st.level] -= st.weight
-            n = tokens_to_compute(head)
+            if head.prefix_salt is None and head.prefix_source is None and head.prompt_token_ids is None:
+                # NOTE: `tokens_to_compute`'s answer for a job no prefix lookup can hit, inlined
+                n = head.num_prompt_tokens + head.num_output_tokens - head.num_computed_tokens
+            else:
+                n = tokens_to_compute(head)
             if n <= budget.max_tokens and budget.num_tokens + n > budget.max_tokens:
                 # NOTE: `_admit`'s answer (False) for a prompt the tokens left cannot hold (a seat
                 # is free here), without the call: about 30 heads a step
@@ -528,7 +533,8 @@ class QueuePolicy(Policy):
         back: dict[int, list[QueueEntry]] = {}  # untouched set-aside entries by level
         for top in skipped:
             req = top[3]
-            if not req.status.is_waiting:
+            status = req.status
+            if status is not _WAITING and status is not _RECOMPUTE:  # NOTE: `is_waiting`, inlined
                 continue
             st = req.policy_state
             if not st.in_heap and st.version == top[2] + 1:

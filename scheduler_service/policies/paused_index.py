@@ -117,11 +117,17 @@ class PausedIndex:
                 del entries[i]
         self.gone = []
         adds: dict[int, Entry] = {}  # this sync's new entries by job, filed in one pass below
+        current = self.entries_current
         for req in self.pending:
             st = req.policy_state
             status = req.status
             filed = st.filed
             if status is _KEPT or status is _SWAPPED:
+                if filed is None:
+                    # NOTE: the common case, a job paused this step (a running job has no entry):
+                    # what the lines below do for it
+                    adds[id(req)] = st.filed = st.entry if current else (*st.rank, req)
+                    continue
                 rank = st.rank
                 if filed is not None and filed[0] == rank[0] and filed[1] == rank[1] and filed[2] == rank[2]:
                     continue
@@ -137,7 +143,7 @@ class PausedIndex:
                     if i < len(entries) and entries[i] is filed:
                         del entries[i]
             if rank is not None:
-                adds[id(req)] = st.filed = st.entry if self.entries_current else (*rank, req)
+                adds[id(req)] = st.filed = st.entry if current else (*rank, req)
             else:
                 st.filed = None
         self.pending = []
