@@ -52,8 +52,10 @@ def _survivors(entries: list[Entry]) -> list[Entry]:
 
 
 def _merged(entries: list[Entry], new: list[Entry]) -> list[Entry]:
-    """`entries` with the sorted `new` ones filed in order (ranks are unique). Dozens of pauses a
-    step land among thousands of entries: one copy of the list, not one move of its tail each."""
+    """`entries` with the sorted `new` ones filed in order (ranks are unique), in place. Dozens
+    of pauses a step land among thousands of entries: the stretch up to the last new one is
+    built once and written over the old one (the entries after it move, as a block, once),
+    not one move of the tail per entry."""
     if not entries or entries[-1] < new[0]:
         # NOTE: most pauses file the job behind every paused one (FastServe: a job of the
         # deepest level with its newest key)
@@ -65,15 +67,16 @@ def _merged(entries: list[Entry], new: list[Entry]) -> list[Entry]:
     out: list[Entry] = []
     lo, n = 0, len(entries)
     for e in new:
-        if lo < n:
-            i = bisect_left(entries, e, lo)
-            if i > lo:
-                out += entries[lo:i]
-                lo = i
+        # NOTE: a step's pauses land in clusters (FastServe's: a hundred before every paused job
+        # in a third of its steps): one comparison places a new entry that goes before the next
+        # old one, the rest are bisected
+        if lo < n and entries[lo] < e:
+            i = bisect_left(entries, e, lo + 1)
+            out += entries[lo:i]
+            lo = i
         out.append(e)
-    if lo < n:
-        out += entries[lo:]
-    return out
+    entries[:lo] = out
+    return entries
 
 
 class PausedIndex:

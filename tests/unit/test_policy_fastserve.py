@@ -261,3 +261,24 @@ def test_level_queues_with_fronts_give_the_order_of_one_heap() -> None:
             waiting.discard(i)
         assert len(queues) == len(waiting)
     assert fronts_used > 0  # the put-backs went to the fronts
+
+
+def test_the_paused_index_files_a_steps_pauses_in_rank_order() -> None:
+    """`_merged` files a step's new entries among the paused ones (at the end, one alone,
+    clustered before every old entry, spread through them) exactly as sorting both would."""
+    import random
+
+    from scheduler_service.policies.paused_index import _merged
+
+    rng = random.Random(3)
+    job = make_request("j", 4, 4)
+    for case in range(300):
+        ranks = rng.sample(range(10_000), rng.randrange(2, 400))
+        split = rng.randrange(1, len(ranks))
+        if case % 3 == 0:  # a cluster before every old entry
+            ranks.sort()
+        old = sorted((r // 1000, float(r), r, job) for r in ranks[split:])
+        new = sorted((r // 1000, float(r), r, job) for r in ranks[:split])
+        expected = sorted(old + new)
+        merged = _merged(list(old), new)
+        assert [e[2] for e in merged] == [e[2] for e in expected]
