@@ -284,6 +284,25 @@ class StepBuilder:
         self.scheduled[rid] = num_tokens
         return True
 
+    def admit_fresh(self, request: Request, num_tokens: int) -> bool:
+        """`schedule(request, num_tokens, cover=its tokens)` for a waiting request that has nothing
+        computed, no table and no block a prefix lookup could name (no salt, no prefix source, no
+        token ids), whose `num_tokens` (all of its tokens) the budget has room for: its tests
+        answer yes for it, so this is the rest (queue policies admit dozens of such requests a
+        step). False: its blocks are not there (nothing changed)."""
+        rid = request.request_id
+        if self.kv.allocate(rid, request.num_prompt_tokens + request.num_output_tokens) is None:
+            self._sched.metrics.kv_alloc_failures += 1
+            return False
+        if self._caching:
+            self._count_hit(request, 0)
+        self._sched.admit(request, self.now)
+        budget = self.budget
+        budget.num_tokens += num_tokens
+        budget.num_seqs += 1
+        self.scheduled[rid] = num_tokens
+        return True
+
     def _count_hit(self, request: Request, hit_tokens: int) -> None:
         request.num_computed_tokens = hit_tokens
         request.num_cached_tokens = hit_tokens

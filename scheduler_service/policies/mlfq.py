@@ -609,20 +609,20 @@ class QueuePolicy(Policy):
         if blocks + watermark > gpu.num_blocks:
             step.finish(req, RequestStatus.FINISHED_REJECTED, "unschedulable: prompt needs more KV than the worker has")
             return True
-        if (
+        fresh = (
             req.prefix_salt is None
             and req.prefix_source is None
             and req.prompt_token_ids is None
             and req.request_id not in kv.gpu_tables
-        ):
-            # NOTE: `step.num_new_blocks`'s answer for a request with no table and no block a
-            # prefix lookup could name (no hit): all of its blocks are new
-            need = blocks + watermark
-        else:
-            need = step.num_new_blocks(req, num_tokens) + watermark
+        )
+        # NOTE: fresh, `step.num_new_blocks`'s answer for a request with no table and no block a
+        # prefix lookup could name (no hit): all of its blocks are new
+        need = blocks + watermark if fresh else step.num_new_blocks(req, num_tokens) + watermark
         # NOTE: `_make_room` returns True at once when the blocks are free (most admissions)
         if gpu.num_available() < need and not self._make_room(step, need, victims, new_job=True, swap_only=True):
             return None if self.memory is MemoryMode.DEFER else False
+        if fresh:
+            return step.admit_fresh(req, n)  # NOTE: `schedule(req, n, cover=num_tokens)` without its tests
         return step.schedule(req, n, cover=num_tokens)
 
     def _make_room(

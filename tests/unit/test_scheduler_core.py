@@ -281,3 +281,39 @@ def test_used_kv_is_reported_beside_allocated_kv() -> None:
         used_share[policy] = summary["kv_used_mean"] / summary["kv_util_mean"]
         sched.assert_empty()
     assert used_share["orca"] < 0.35 < 0.7 < used_share["vllm"]
+
+
+def test_admit_fresh_leaves_what_schedule_with_the_whole_cover_leaves() -> None:
+    """A queue policy's fresh admission (no table, nothing a prefix lookup could name) takes
+    the same blocks, budget, status and prefix-lookup count as the general `schedule`, and
+    changes nothing when the blocks are not there."""
+    states = []
+    for fresh in (True, False):
+        sched = make_scheduler("vllm", num_gpu_blocks=16, block_size=4)
+        req = make_request("a", 9, 3)
+        sched.add_request(req, 0.0)
+        builder = _builder(sched)
+        tokens = req.num_prompt_tokens + req.num_output_tokens
+        assert builder.admit_fresh(req, tokens) if fresh else builder.schedule(req, tokens, cover=tokens)
+        m = sched.metrics
+        states.append(
+            (
+                list(sched.kv.gpu_tables["a"]),
+                builder.scheduled,
+                (builder.budget.num_tokens, builder.budget.num_seqs),
+                req.status,
+                list(sched.running),
+                list(sched.waiting),
+                (m.prefix_lookups, m.prefix_query_tokens, m.prefix_hit_tokens),
+            )
+        )
+    assert states[0] == states[1] and states[0][3] is RequestStatus.PREFILLING
+    sched = make_scheduler("vllm", num_gpu_blocks=4, block_size=4)
+    first, second = make_request("a", 9, 3), make_request("b", 9, 3)
+    sched.add_request(first, 0.0)
+    sched.add_request(second, 0.0)
+    builder = _builder(sched)
+    assert builder.admit_fresh(first, 12)  # 3 of the 4 blocks
+    assert not builder.admit_fresh(second, 12)
+    assert builder.scheduled == {"a": 12} and "b" in sched.waiting and "b" not in sched.kv.gpu_tables
+    assert sched.metrics.kv_alloc_failures == 1
