@@ -173,20 +173,24 @@ class LevelQueues:
         self.counts[st.level] -= 1
         self.sums[st.level] -= st.weight
 
-    def peek(self) -> Request | None:
+    def in_order(self) -> list[tuple[list[QueueEntry], bool]]:
+        """Every level's front, then its heap, best level first: (entries, is a heap)."""
+        out: list[tuple[list[QueueEntry], bool]] = []
         for front, heap in zip(self.fronts, self.heaps, strict=True):
-            while front:
-                _, _, version, req = front[0]
+            out += ((front, False), (heap, True))
+        return out
+
+    def peek(self) -> Request | None:
+        for entries, is_heap in self.in_order():
+            while entries:
+                _, _, version, req = entries[0]
                 st: JobState = req.policy_state
                 if st.in_heap and st.version == version:
                     return req
-                del front[0]
-            while heap:
-                _, _, version, req = heap[0]
-                st = req.policy_state
-                if st.in_heap and st.version == version:
-                    return req
-                heapq.heappop(heap)
+                if is_heap:
+                    heapq.heappop(entries)
+                else:
+                    del entries[0]
         return None
 
     def pop(self) -> Request | None:
@@ -453,12 +457,13 @@ class QueuePolicy(Policy):
         budget, queues = step.budget, self.queues
         run_kv_job, run_covered = self._run_kv_job, kv_jobs.run_covered
         tokens_to_compute, scheduled = step.tokens_to_compute, step.scheduled
-        levels = list(zip(queues.fronts, queues.heaps, strict=True))
+        levels = queues.in_order()
         counts, sums, heappop = queues.counts, queues.sums, heapq.heappop
         waiting_open = admit_waiting
         head: Request | None = None
         head_rank: Rank | None = None  # a KV job runs first if it ranks at or before it (None: no head)
         head_at: list[QueueEntry] = []  # the front or heap whose first entry is the head's
+        head_in_heap = False
         peeked = -1  # queues.changes when head was peeked
         while budget.num_seqs < budget.max_seqs and budget.num_tokens < budget.max_tokens:
             if not waiting_open:
@@ -468,23 +473,18 @@ class QueuePolicy(Policy):
                 # sent back to recompute): most of a step is running jobs ranked ahead.
                 # `queues.peek()` and `filed_rank`, inlined (40 to 250 heads a step)
                 head = head_rank = None
-                for front, heap in levels:
-                    while front:
-                        top = front[0]
+                for entries, is_heap in levels:
+                    while entries:
+                        top = entries[0]
                         st = top[3].policy_state
                         if st.in_heap and st.version == top[2]:
-                            head, head_rank, head_at = top[3], (st.level, st.key, st.seq), front
+                            head, head_rank, head_in_heap = top[3], (st.level, st.key, st.seq), is_heap
+                            head_at = entries
                             break
-                        del front[0]
-                    if head is not None:
-                        break
-                    while heap:
-                        top = heap[0]
-                        st = top[3].policy_state
-                        if st.in_heap and st.version == top[2]:
-                            head, head_rank, head_at = top[3], (st.level, st.key, st.seq), heap
-                            break
-                        heappop(heap)
+                        if is_heap:
+                            heappop(entries)
+                        else:
+                            del entries[0]
                     if head is not None:
                         break
                 peeked = queues.changes
@@ -504,7 +504,7 @@ class QueuePolicy(Policy):
                 break
             # NOTE: `queues.take(head)` (peeked when `changes` was what it is now), inlined
             st = head.policy_state
-            top = heappop(head_at) if head_at is levels[st.level][1] else head_at.pop(0)
+            top = heappop(head_at) if head_in_heap else head_at.pop(0)
             st.in_heap = False
             st.version += 1
             queues.changes += 1
