@@ -486,16 +486,13 @@ class StepBuilder:
             and budget.num_seqs < budget.max_seqs
         ):
             return False
-        self._sched.resume(request, self.now, table_replaced=False)
-        budget.num_tokens += num_tokens
-        budget.num_seqs += 1
-        self.scheduled[rid] = num_tokens
+        self.resume_covered(request, num_tokens)
         return True
 
     def resume_covered(self, request: Request, num_tokens: int) -> None:
-        """`resume_if_covered`'s move without its test, for a walk that made the test itself
-        from `table_cover()` (the request is kept, its table holds the step's tokens, the
-        budget has the seat and the tokens): FastServe resumes about 55 jobs a step."""
+        """`resume_if_covered`'s move once its test passed, also for a walk that made the test
+        itself from `table_cover()` (the request is kept, its table holds the step's tokens,
+        the budget has the seat and the tokens): FastServe resumes about 55 jobs a step."""
         self._sched.resume(request, self.now, table_replaced=False)
         budget = self.budget
         budget.num_tokens += num_tokens

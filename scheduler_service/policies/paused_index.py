@@ -132,19 +132,19 @@ class PausedIndex:
                     adds[id(req)] = st.filed = st.entry if current else (*st.rank, req)
                     continue
                 rank = st.rank
-                if filed is not None and filed[0] == rank[0] and filed[1] == rank[1] and filed[2] == rank[2]:
+                if filed[0] == rank[0] and filed[1] == rank[1] and filed[2] == rank[2]:
                     continue
             elif filed is None:
                 continue
             else:
                 rank = None
-            if filed is not None:
-                if adds.get(id(req)) is filed:
-                    del adds[id(req)]  # filed by this sync (touched twice): not in the list yet
-                else:
-                    i = bisect_left(entries, filed)
-                    if i < len(entries) and entries[i] is filed:
-                        del entries[i]
+            # NOTE: here the job has an entry (filed), which its move makes stale
+            if adds.get(id(req)) is filed:
+                del adds[id(req)]  # filed by this sync (touched twice): not in the list yet
+            else:
+                i = bisect_left(entries, filed)
+                if i < len(entries) and entries[i] is filed:
+                    del entries[i]
             if rank is not None:
                 adds[id(req)] = st.filed = st.entry if current else (*rank, req)
             else:
