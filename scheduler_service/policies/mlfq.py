@@ -9,9 +9,11 @@ quanta) differ, so those stay in the policies and the walk lives here.
 How data flows:
 
     arrival / recompute preemption ──> LevelQueues (a heap per level, lazy deletion)
-    running + kept + swapped (hold KV) ──> sorted each step by their cached rank; only the
-       running jobs' ranks are recomputed (a paused job's rank changes only when a policy
-       moves its level, which refreshes it there)
+    running (hold KV) ──> re-ranked and sorted each step
+    kept + swapped (paused, hold KV) ──> a PausedIndex, sorted by cached rank and refiled only
+       where a job is paused, resumed or moved (a paused job's rank changes only when a policy
+       moves its level, which refreshes it there); without `index_paused`, every KV holder is
+       sorted each step (the reference the tests compare the index with)
     schedule(): merge the two in rank order ──> run each job that fits (seats, tokens, KV)
        KV short: evict the lowest-ranked GPU holder not yet reached (swap or recompute);
        `defer` never evicts for a new job: it waits
@@ -27,7 +29,7 @@ import heapq
 from abc import abstractmethod
 from bisect import bisect_right, insort
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from operator import attrgetter
@@ -36,7 +38,7 @@ from scheduler_service.core.policy import Policy, PolicyConfig, PolicyContext
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
-from scheduler_service.policies.paused_index import PausedIndex, RankedHolders
+from scheduler_service.policies.paused_index import Entry, PausedIndex, PausedSpan, RankedHolders
 
 # NOTE: a waiting head whose prompt does not fit the step's leftover tokens is set aside;
 # after this many the walk stops looking at waiting jobs for this step (bounds the pops).
@@ -223,7 +225,8 @@ class QueuePolicy(Policy):
     config: QueuePolicyConfig
     # True: paused jobs sit in a PausedIndex and a step reads them lazily (their ranks change
     # only where the policy says so, through `rerank_paused`); False: every KV holder is
-    # sorted each step into `ranked` (a policy whose later passes read all of them)
+    # sorted each step into `ranked`. FastServe and ALISE index; the sorted path is the
+    # simple one a new policy starts from, and the reference the tests compare the index with.
     index_paused = False
     # True: the policy sets `JobState.entry` to (*rank, job) wherever it sets the rank, and
     # `refresh_ranks` moves no rank, so a step sorts its running jobs' entries without building
@@ -236,7 +239,10 @@ class QueuePolicy(Policy):
         self.num_levels = num_levels
         self.queues = LevelQueues(num_levels)
         self.jobs: dict[str, Request] = {}  # every unfinished job on this worker
-        self.ranked: list[Request] = []  # this step's KV holders in rank order (ranks in policy_state.rank)
+        # this step's KV holders in rank order (ranks in policy_state.rank); with `index_paused`,
+        # in a prefill pass, its running jobs in rank order (the seats `_pause_worse` can take)
+        self.ranked: list[Request] = []
+        self.run_entries: list[Entry] = []  # with `index_paused`: this step's running jobs' entries, sorted
         self.admitted: list[Request] = []  # waiting jobs this step admitted
         self.paused = PausedIndex(self.entries_current)  # with `index_paused`: the kept and swapped jobs by rank
         self._ranked_at: StepBuilder | None = None  # the step `ranked` was sorted in (prefill pass)
@@ -332,6 +338,7 @@ class QueuePolicy(Policy):
         # step, they set off a full collection of the whole heap every few steps (30-40 ms
         # stalls with FastServe's thousands of paused jobs).
         self.ranked = []
+        self.run_entries = []
         self.admitted = []
         self._ranked_at = None
 
@@ -352,7 +359,15 @@ class QueuePolicy(Policy):
         """vLLM's prefill pass with the queue in rank order: waiting heads are admitted
         (whole prompts) while seats, tokens and KV allow; a head may evict only GPU holders
         ranked below it. Returns how many were admitted."""
-        self.ranked = self.ranked_kv_jobs(step)
+        indexed = self.index_paused
+        if indexed:
+            # NOTE: only running jobs can give a seat, and a head's victims are read from the
+            # sorted running jobs and the paused index: the paused jobs are never sorted
+            run = self.running_entries(step)
+            paused = self.paused
+            self.ranked = [e[3] for e in run]
+        else:
+            self.ranked = self.ranked_kv_jobs(step)
         self._ranked_at = step
         self.admitted = []
         skipped: list[Request] = []
@@ -365,9 +380,15 @@ class QueuePolicy(Policy):
             if len(step.running) >= self.ctx.max_num_seqs and not self._pause_worse(step, head_rank):
                 break
             queues.pop()
-            # NOTE: `ranked` is sorted by rank (unique): the jobs below the head are a tail of it
-            victims = RankDeque(self.ranked[bisect_right(self.ranked, head_rank, key=_RANK) :])
+            # NOTE: ranks are unique: the jobs below the head are a tail of each sorted list
+            if indexed:
+                span = PausedSpan(paused.entries, bisect_right(paused.entries, head_rank))
+                victims: Victims = RankedHolders(run[bisect_right(run, head_rank) :], span)
+            else:
+                victims = RankDeque(self.ranked[bisect_right(self.ranked, head_rank, key=_RANK) :])
             verdict = self._admit(step, head, victims)
+            if indexed and span.hi < paused.hi:
+                paused.hi = span.hi  # NOTE: entries it evicted: the next sync and `after_batch` look at them
             if verdict and step.is_scheduled(head):
                 self.admitted.append(head)
                 continue
@@ -414,24 +435,40 @@ class QueuePolicy(Policy):
     def kv_holders(self, step: StepBuilder) -> Victims:
         """Every KV holder in rank order, to consume from both ends: the running jobs re-ranked
         and sorted, merged with the paused index (`index_paused`), or `ranked_kv_jobs`."""
-        if not self.index_paused:
+        if self.index_paused:
             if self._ranked_at is step:
-                # NOTE: ranked by this step's prefill pass, which admitted nothing: no job's
-                # rank moved since, and the holders are those of then less any it evicted
-                # to recompute (as a new ranking would find them).
-                running, kept, swapped = step.running, step.kept, step.swapped
-                self.ranked = [
-                    r for r in self.ranked if (rid := r.request_id) in running or rid in kept or rid in swapped
-                ]
+                # NOTE: the prefill pass admitted nothing: no rank moved since it sorted the
+                # running jobs, and those it paused or evicted are the index's after the sync
+                self.paused.sync(step.kept, step.swapped)
+                self.run_entries = [e for e in self.run_entries if (s := e[3].status) is _DECODING or s is _PREFILLING]
             else:
-                self.ranked = self.ranked_kv_jobs(step)
-            return RankDeque(self.ranked)
+                self.running_entries(step)
+            return RankedHolders(self.run_entries, self.paused)
+        if self._ranked_at is step:
+            # NOTE: ranked by this step's prefill pass, which admitted nothing: no job's
+            # rank moved since, and the holders are those of then less any it evicted
+            # to recompute (as a new ranking would find them).
+            running, kept, swapped = step.running, step.kept, step.swapped
+            self.ranked = [r for r in self.ranked if (rid := r.request_id) in running or rid in kept or rid in swapped]
+        else:
+            self.ranked = self.ranked_kv_jobs(step)
+        return RankDeque(self.ranked)
+
+    def running_entries(self, step: StepBuilder) -> list[Entry]:
+        """With `index_paused`: brings the paused index up to date and sorts the running jobs'
+        entries (re-ranked, unless `entries_current`) into `run_entries`."""
         self.paused.sync(step.kept, step.swapped)
         running = step.running.values()
         if self.entries_current:
-            return RankedHolders(sorted([r.policy_state.entry for r in running]), self.paused)
-        self.refresh_ranks(running)
-        return RankedHolders(sorted([(*r.policy_state.rank, r) for r in running]), self.paused)
+            self.run_entries = sorted([r.policy_state.entry for r in running])
+        else:
+            self.run_entries = self.ranked_entries(running)
+        return self.run_entries
+
+    def ranked_entries(self, jobs: Collection[Request]) -> list[Entry]:
+        """`refresh_ranks(jobs)`, and their entries (*rank, job) sorted."""
+        self.refresh_ranks(jobs)
+        return sorted([(*r.policy_state.rank, r) for r in jobs])
 
     def ranked_kv_jobs(self, step: StepBuilder) -> list[Request]:
         """Every KV holder, best rank first.

@@ -79,15 +79,26 @@ def _merged(entries: list[Entry], new: list[Entry]) -> list[Entry]:
     return entries
 
 
-class PausedIndex:
+class PausedSpan:
+    """Sorted paused entries and the stretch `entries[lo:hi]` a view has not consumed: the
+    index's own, or a throwaway one (a prefill pass's victims below one waiting head)."""
+
+    __slots__ = ("entries", "hi", "lo")
+
+    def __init__(self, entries: list[Entry], lo: int = 0, hi: int | None = None) -> None:
+        self.entries = entries
+        self.lo = lo  # the step's view consumed entries[:lo] and entries[hi:]
+        self.hi = len(entries) if hi is None else hi
+
+
+class PausedIndex(PausedSpan):
     """Paused KV holders (kept or swapped), sorted by rank, kept exact by `touch` + `sync`."""
 
     def __init__(self, entries_current: bool = False) -> None:
         """`entries_current`: every job's `JobState.entry` is (*its rank, job), and is filed as
         it is (no tuple built per pause: dozens a step, each one more object for the collector)."""
+        super().__init__([])
         self.entries_current = entries_current
-        self.entries: list[Entry] = []
-        self.lo = self.hi = 0  # the step's view consumed entries[:lo] and entries[hi:]
         self.pending: list[Request] = []  # touched since the last sync
         self.gone: list[Entry] = []  # entries of jobs that ended or left the worker since
         self.rebuilds = 0  # syncs that found the list off the paused set and sorted it again
@@ -171,8 +182,9 @@ class RankedHolders:
 
     __slots__ = ("_hi", "_index", "_last", "_lo", "_paused", "_run", "stopped_at")
 
-    def __init__(self, running: list[Entry], index: PausedIndex) -> None:
-        """`running`: the running jobs' entries, sorted."""
+    def __init__(self, running: list[Entry], index: PausedSpan) -> None:
+        """`running`: the running jobs' entries, sorted; `index`: the paused entries, read
+        (and consumed) through its cursors."""
         self._run = running
         self._lo, self._hi = 0, len(running)
         self._index = index

@@ -116,7 +116,7 @@ def test_alise_ewt_is_the_work_ranked_ahead_bounded_by_the_promotion_time() -> N
     for i, req in enumerate(jobs):
         req.policy_state = JobState(level=2, key=0.0, seq=i, clock=1.0, predicted=10)
     state(jobs[2]).clock = 0.2  # at t = 1.0 it has waited 0.8 s of its 1 s age threshold
-    ranked = [((2, rem, i), req) for i, (rem, req) in enumerate(zip((1.0, 2.0, 3.0), jobs, strict=True))]
+    ranked = [(2, rem, i, req) for i, (rem, req) in enumerate(zip((1.0, 2.0, 3.0), jobs, strict=True))]
     ewts, total = alise._ewts(ranked, 0.5, now=1.0)
     t_promote = 1.0 * (2 - 1) + (1.0 - 0.8)  # one more queue to climb, plus what is left of this one
     assert [e for e, _, _ in ewts] == [0.5, 1.5, min(3.5, t_promote)]

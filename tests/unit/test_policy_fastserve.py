@@ -3,6 +3,9 @@ under KV pressure. Every test ends with the leak check."""
 
 from __future__ import annotations
 
+from collections import Counter
+
+import pytest
 from harness import make_request, make_scheduler, run_to_completion, step
 
 from scheduler_service.core.request import RequestStatus
@@ -112,8 +115,11 @@ def test_queue_policies_sort_paused_jobs_by_ranks_that_are_still_current() -> No
         sched.assert_empty()
 
 
-def _plan_trace(spec: str, index_paused: bool, seed: int) -> tuple[list[tuple[object, ...]], dict[str, int]]:
-    """Every step's decisions for a random workload on a small, contended GPU."""
+def _plan_trace(
+    spec: str, index_paused: bool, seed: int
+) -> tuple[list[tuple[object, ...]], dict[str, int], dict[str, object]]:
+    """Every step's decisions for a random workload on a small, contended GPU, the preemptions
+    by mode and reason, and the policy's counters."""
     import random
 
     rng = random.Random(seed)
@@ -130,22 +136,42 @@ def _plan_trace(spec: str, index_paused: bool, seed: int) -> tuple[list[tuple[ob
             now += 0.01
     run_to_completion(sched)
     sched.assert_empty()
+    if index_paused:
+        assert sched.policy.paused.rebuilds == 0, f"{spec}: a paused job moved without the index being told"
     preemptions = {f"{mode}/{reason}": n for (mode, reason), n in sched.metrics.preemptions.items()}
-    return trace, preemptions
+    return trace, preemptions, sched.policy.stats_report()
 
 
-def test_the_paused_index_makes_the_decisions_of_sorting_every_kv_holder() -> None:
-    """FastServe reads its paused jobs from an index kept up to date by hooks; the generic path
-    sorts every KV holder each step. Under KV pressure (evictions from the worst end, swaps,
+# ALISE: the prefill pass of vLLM's engine (victims below each head) and hybrid batches, the
+# three memory managers, and Algorithm 2 with a job limit small enough to swap out and back in.
+INDEX_CASES = [
+    *(f"fastserve:quantum_s=0.01,memory={memory}" for memory in ("swap", "recompute", "defer")),
+    *(f"alise:age_threshold_s=0.05,memory={memory}" for memory in ("swap", "recompute", "defer")),
+    "alise:age_threshold_s=0.05,hybrid=true",
+    "alise:age_threshold_s=0.05,job_limit=2",
+    "alise:age_threshold_s=0.05,job_limit=4",
+    "alise:age_threshold_s=0.05,job_limit=2,hybrid=true",
+]
+
+
+@pytest.mark.parametrize("spec", INDEX_CASES)
+def test_the_paused_index_makes_the_decisions_of_sorting_every_kv_holder(spec: str) -> None:
+    """FastServe and ALISE read their paused jobs from an index kept up to date by hooks (and
+    ALISE's Algorithm 2 reads its queues' sizes from it); the generic path sorts every KV holder
+    each step and walks them all. Under KV pressure (evictions from the worst end, swaps,
     recomputes, jobs put back) both must make the same decisions, step by step."""
-    for memory in ("swap", "recompute", "defer"):
-        for seed in (1, 2):
-            spec = f"fastserve:quantum_s=0.01,memory={memory}"
-            indexed, preempted = _plan_trace(spec, True, seed)
-            sorted_each_step, preempted_sorted = _plan_trace(spec, False, seed)
-            assert indexed == sorted_each_step, (memory, seed)
-            assert preempted == preempted_sorted
-            assert any("kv_pressure" in k for k in preempted), f"{memory}: no eviction, nothing tested"
+    moved: Counter[str] = Counter()
+    for seed in (1, 2):
+        indexed, preempted, counters = _plan_trace(spec, True, seed)
+        sorted_each_step, preempted_sorted, counters_sorted = _plan_trace(spec, False, seed)
+        assert indexed == sorted_each_step, (spec, seed)
+        assert preempted == preempted_sorted
+        assert counters == counters_sorted
+        assert any("kv_pressure" in k for k in preempted), f"{spec}: no eviction, nothing tested"
+        moved.update({k: v for k, v in counters.items() if k.startswith("ewt_")})
+    if "job_limit" in spec:
+        # Algorithm 2 moved jobs both ways (swapped out beyond M, back in ahead of their turn)
+        assert moved["ewt_swap_outs"] and (moved["ewt_early_swap_ins"] or "hybrid" in spec), moved
 
 
 def test_paused_jobs_handed_back_to_the_router_leave_both_indexes_exact() -> None:

@@ -38,7 +38,7 @@ Configuration: see `AliseConfig`. Deviations from the paper are NOTE'd where the
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +48,7 @@ from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.costmodel.base import CostModel
+from scheduler_service.policies.alise.levels import IndexedLevels, SortedLevels
 from scheduler_service.policies.decisions import (
     aging_due,
     alise_level,
@@ -56,6 +57,7 @@ from scheduler_service.policies.decisions import (
     mispredicted_length,
 )
 from scheduler_service.policies.mlfq import JobState, MemoryMode, QueuePolicy, QueuePolicyConfig, Rank
+from scheduler_service.policies.paused_index import Entry
 from sluice.contract.plan import StepPlan, StepResult
 
 # NOTE: used only when there is no cost model to fit (unit tests): a 7B-class model on an A100.
@@ -123,6 +125,10 @@ class AlisePolicy(QueuePolicy):
     # made ahead sees them as one step at a time does; a job that ends at step N is judged
     # with it (its rank in plan N+1, where it computes one voided token, may differ).
     overlap_safe = True
+    # NOTE: a paused job's rank moves only where its queue does (aging, `rerank_paused`), and
+    # hundreds sit paused in a long run: sorting them every step, and walking them all in
+    # Algorithm 2, grew with the run (4.5x vllm's schedule() over 300 steps)
+    index_paused = True
     config_cls = AliseConfig
     config: AliseConfig
 
@@ -166,8 +172,32 @@ class AlisePolicy(QueuePolicy):
             t = (left if left > 1 else 1) * (alpha * n_tok + beta) + (t0 * pre if pre > 0 else 0.0)
             st.rank = (st.level, t, st.seq)
 
+    def ranked_entries(self, jobs: Collection[Request]) -> list[Entry]:
+        # NOTE: `refresh_ranks` and the entries in one pass: the running jobs, every step
+        t0, alpha, beta = self.model.t0, self.model.alpha, self.model.beta
+        out: list[Entry] = []
+        for r in jobs:
+            st: JobState = r.policy_state
+            n_tok = r.num_prompt_tokens + r.num_output_tokens
+            left = st.predicted - r.num_output_tokens
+            pre = r.prefill_len - r.num_computed_tokens
+            t = (left if left > 1 else 1) * (alpha * n_tok + beta) + (t0 * pre if pre > 0 else 0.0)
+            level, seq = st.level, st.seq
+            st.rank = (level, t, seq)
+            out.append((level, t, seq, r))
+        out.sort()
+        return out
+
     def weight(self, req: Request) -> float:
         return self.remaining_time(req)
+
+    def requeue(self, req: Request) -> None:
+        # NOTE: `QueuePolicy.requeue` with the remaining time computed once: it is both the key
+        # and the weight (aging re-files about 20 waiting jobs a step)
+        st: JobState = req.policy_state
+        self.queues.discard(req)
+        st.key = st.weight = self.remaining_time(req)
+        self.queues.push(req)
 
     # ------------------------------------------------------------------ hooks
     def on_arrival(self, request: Request, now: float) -> None:
@@ -272,62 +302,79 @@ class AlisePolicy(QueuePolicy):
             # is swapped out (to bring back), and the limit M cannot run out before the last
             # paused job's turn even after every level's waiting jobs are counted against it.
             return
-        by_level: dict[int, list[tuple[Rank, Request]]] = {}
-        ahead = 0.0
-        decoding, prefilling = RequestStatus.DECODING, RequestStatus.PREFILLING
-        for req in self.ranked:  # already in rank order
-            rank = req.policy_state.rank
-            rid = req.request_id
-            if rid in kept or rid in swapped:
-                by_level.setdefault(rank[0], []).append((rank, req))
-            elif rid in scheduled or (status := req.status) is decoding or status is prefilling:  # is_running
-                ahead += rank[1]
-        ahead += sum(r.policy_state.key for r in self.admitted)  # their key is their remaining time
+        paused = self._paused_levels(step)
+        # NOTE: read before anything moves; a queue's moves touch only its own jobs
+        swapped_levels = {r.policy_state.rank[0] for r in swapped.values()}
+        sums, counts = self.queues.sums, self.queues.counts
+        ahead: float | None = None  # summed once a queue needs its EWTs
+        passed: list[int] = []  # queues walked since, whose part of `ahead` is not summed yet
         for level in range(self.num_levels):
+            n = paused.count(level)
+            if n == 0 or (slots >= n and level not in swapped_levels):
+                # NOTE: each of the queue's jobs finds a slot and none is swapped out (or it has
+                # none), so no EWT order changes anything here: only what it adds to `ahead` (its
+                # waiting jobs' sum, then its jobs in rank order, as `_ewts` adds them) is needed,
+                # and only if a later queue needs its EWTs.
+                passed.append(level)
+                slots -= n
+                slots -= counts[level]
+                continue
+            if ahead is None:
+                ahead = paused.running_ahead()
+                ahead += sum(r.policy_state.key for r in self.admitted)  # their key is their remaining time
+            for done in passed:
+                if done:
+                    ahead += sums[done - 1]
+                for e in paused.jobs(done):
+                    ahead += e[1]
+            passed = []
             if level:
-                ahead += self.queues.sums[level - 1]
-            jobs = by_level.get(level, [])
-            if slots >= len(jobs) and not any(r.status is RequestStatus.PREEMPTED_SWAPPED for _, r in jobs):
-                # NOTE: each of the level's jobs finds a slot and none is swapped out, so no
-                # EWT order changes anything here: only what they add to `ahead` (in rank
-                # order, as `_ewts` adds it) is needed.
-                for rank, _ in jobs:
-                    ahead += rank[1]
-                slots -= len(jobs)
-            else:
-                ewts, ahead = self._ewts(jobs, ahead, now)
-                ewts.sort(key=_first_two)
-                for _, _, req in ewts:
-                    if slots > 0:
-                        if req.status is RequestStatus.PREEMPTED_SWAPPED:
-                            self._swap_in_early(step, req)
-                    elif req.status is RequestStatus.PREEMPTED_KEPT and self.can_swap_out(step, req):
-                        # NOTE: a proactive swap-out the swap space cannot take is skipped (the
-                        # job stays paused on the GPU), never turned into a recompute.
-                        step.preempt(req, PreemptionMode.SWAP, PreemptionReason.PRIORITY)
-                        self.stats["ewt_swap_outs"] += 1  # Algorithm 2's proactive swap-out
-                    slots -= 1
+                ahead += sums[level - 1]
+            ewts, ahead = self._ewts(paused.jobs(level), ahead, now)
+            ewts.sort(key=_first_two)
+            for _, _, req in ewts:
+                if slots > 0:
+                    if req.status is RequestStatus.PREEMPTED_SWAPPED:
+                        self._swap_in_early(step, req)
+                elif req.status is RequestStatus.PREEMPTED_KEPT and self.can_swap_out(step, req):
+                    # NOTE: a proactive swap-out the swap space cannot take is skipped (the
+                    # job stays paused on the GPU), never turned into a recompute.
+                    step.preempt(req, PreemptionMode.SWAP, PreemptionReason.PRIORITY)
+                    self.stats["ewt_swap_outs"] += 1  # Algorithm 2's proactive swap-out
+                slots -= 1
             # NOTE: the paper's M -= len(q); the queue's waiting jobs count too (they are
             # ranked against its paused ones), which offloads deep queues under load.
-            slots -= self.queues.counts[level]
+            slots -= counts[level]
 
-    def _ewts(
-        self, jobs: Iterable[tuple[Rank, Request]], ahead: float, now: float
-    ) -> tuple[list[tuple[float, int, Request]], float]:
+    def _paused_levels(self, step: StepBuilder) -> IndexedLevels | SortedLevels:
+        """The step's paused jobs by queue: from the paused index, or the sorted KV holders."""
+        if not self.index_paused:
+            return SortedLevels(self.ranked, step.scheduled)
+        levels = IndexedLevels(self.paused, self.run_entries, step.scheduled)
+        if levels.total != len(step.kept) + len(step.swapped):
+            # NOTE: a path that moved a paused job without the index being told: correct over fast
+            self.paused.rebuilds += 1
+            holders = {id(e[3]): e for e in [*self.paused.entries[: self.paused.lo], *self.run_entries]}
+            for r in [*step.kept.values(), *step.swapped.values()]:
+                holders[id(r)] = (*r.policy_state.rank, r)
+            return SortedLevels([e[3] for e in sorted(holders.values())], step.scheduled)
+        return levels
+
+    def _ewts(self, jobs: Iterable[Entry], ahead: float, now: float) -> tuple[list[tuple[float, int, Request]], float]:
         """(EWT, seq, job) of one level's paused jobs in rank order: the time the jobs ranked
         ahead take, or sooner if aging lifts it to queue 0 first (Eq. 7's T_promote: the
         levels left to climb times the age threshold, plus what is left of this one)."""
         out: list[tuple[float, int, Request]] = []
         age = self.age_s
-        for rank, req in jobs:
+        for _, remaining, seq, req in jobs:
             st: JobState = req.policy_state
             if st.level == 0:
-                out.append((ahead, rank[2], req))
+                out.append((ahead, seq, req))
             else:
                 wait = age - (now - st.clock)
                 promote = age * (st.level - 1) + (wait if wait > 0.0 else 0.0)
-                out.append((ahead if ahead < promote else promote, rank[2], req))
-            ahead += rank[1]
+                out.append((ahead if ahead < promote else promote, seq, req))
+            ahead += remaining
         return out, ahead
 
     def _job_limit(self, step: StepBuilder, num_resident: int) -> int:
@@ -345,6 +392,8 @@ class AlisePolicy(QueuePolicy):
         need = kv.num_blocks_for(req.num_computed_tokens + 1)
         if kv.gpu.num_available() - need >= int(self.config.swap_headroom * kv.gpu.num_blocks) and step.swap_in(req):
             self.stats["ewt_early_swap_ins"] += 1
+            if self.index_paused:
+                self.paused.touch(req)  # NOTE: it runs now: its entry leaves the index at the next sync
 
 
 def _first_two(item: tuple[float, int, Request]) -> tuple[float, int]:
