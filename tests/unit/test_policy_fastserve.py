@@ -174,21 +174,24 @@ def test_the_paused_index_makes_the_decisions_of_sorting_every_kv_holder(spec: s
         assert moved["ewt_swap_outs"] and (moved["ewt_early_swap_ins"] or "hybrid" in spec), moved
 
 
-def test_paused_jobs_handed_back_to_the_router_leave_both_indexes_exact() -> None:
+@pytest.mark.parametrize("spec", ["fastserve:quantum_s=0.01", "alise:age_threshold_s=0.05"])
+def test_paused_jobs_handed_back_to_the_router_leave_both_indexes_exact(spec: str) -> None:
     """Jobs paused on one worker and handed back (the worker is evacuated) are placed on another
     before the first steps again: each worker's index must still hold exactly its own paused
     jobs, without the fallback re-sort (which would mean a job moved without the index's hooks)."""
     import random
 
     rng = random.Random(5)
-    first = make_scheduler("fastserve:quantum_s=0.01", num_gpu_blocks=48, max_num_seqs=4, max_model_len=512)
-    second = make_scheduler("fastserve:quantum_s=0.01", num_gpu_blocks=48, max_num_seqs=4, max_model_len=512)
+    first = make_scheduler(spec, num_gpu_blocks=48, max_num_seqs=4, max_model_len=512)
+    second = make_scheduler(spec, num_gpu_blocks=48, max_num_seqs=4, max_model_len=512)
     now = 0.0
     for i in range(12):
+        # NOTE: two arrivals a step, so that shorter jobs (ALISE) and fresh ones (FastServe)
+        # take the seats of running ones, which pause
         first.add_request(make_request(f"r{i}", rng.randint(4, 40), rng.randint(10, 30)), now)
-    for _ in range(6):
-        step(first, now)
-        now += 0.01
+        if i % 2:
+            step(first, now)
+            now += 0.01
     assert first.kept, "nothing paused: nothing to hand back"
     for req in first.evacuate(now):
         second.add_request(req, now)
