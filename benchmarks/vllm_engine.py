@@ -34,6 +34,8 @@ and (c), run in the same turns and reported as a ratio to the plain engine round
                      picks them (its cores), not one like (a)'s
     @worker-only     `--worker-cpus LAST`: the worker pinned to the last core, the scheduler and
                      the rest on every CPU (the placement without its scheduler side)
+    @remote-client   `sluice serve` as by default, this client's thread kept off the cores its
+                     worker was placed on while it runs (as a client on another machine would be)
 
     python -m benchmarks.vllm_engine --rounds 5 --online-rounds 0 --engines vllm,sluice+vllm,sluice+vllm@no-auto-pin
 
@@ -70,7 +72,8 @@ BASELINE = "@baseline"  # suffix of an engine run from the --baseline tree
 NO_AUTO_PIN = "@no-auto-pin"  # suffix of (b) or (c) run with `sluice serve --no-auto-pin`
 SERVE_THREADS = "@serve-threads"  # suffix of (b) or (c) run without `--worker-threads 1`
 WORKER_ONLY = "@worker-only"  # suffix of (b) or (c) run with the worker alone pinned, to the last core
-VARIANTS = (BASELINE, NO_AUTO_PIN, SERVE_THREADS, WORKER_ONLY)
+REMOTE_CLIENT = "@remote-client"  # suffix of (b) or (c) whose client stays off its worker's cores
+VARIANTS = (BASELINE, NO_AUTO_PIN, SERVE_THREADS, WORKER_ONLY, REMOTE_CLIENT)
 BLOCK = 32
 
 
@@ -526,6 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     runner = runners[name]
                     if args.pin:  # NOTE: this thread only: (a)'s model runs on it, (b)'s client loop too
                         os.sched_setaffinity(0, runner_core if name == "vllm" else rest)
+                    elif REMOTE_CLIENT in name:
+                        os.sched_setaffinity(0, (set(cores) - set(placed[name])) or set(cores))
                     if name == "vllm":
                         stats = runner.offline(jobs) if mode == "offline" else runner.online(jobs)  # type: ignore[attr-defined]
                     else:
