@@ -23,12 +23,15 @@ Options: `sls:batch_size=8,group_window=0,max_pad_share=0,varlen_attention=false
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler_service.core.policy import POLICIES, Policy, PolicyConfig, PolicyContext
-from scheduler_service.core.request import Request
+from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.policies.baselines.sls_batching import grouped_candidates, within_pad_bound
+
+_DECODING, _PREFILLING = RequestStatus.DECODING, RequestStatus.PREFILLING
 
 
 @dataclass
@@ -64,7 +67,8 @@ class SLSPolicy(Policy):
         return self.config.batch_size * self.ctx.max_model_len
 
     def schedule(self, step: StepBuilder, now: float) -> None:
-        live = [r for r in self.batch.members if r.status.is_running]
+        # NOTE: `status.is_running`, inlined (every member, every step)
+        live = [r for r in self.batch.members if (s := r.status) is _DECODING or s is _PREFILLING]
         if live:
             self._decode(step, live)
         elif step.waiting:
@@ -101,9 +105,12 @@ class SLSPolicy(Policy):
     def _decode(self, step: StepBuilder, live: list[Request]) -> None:
         batch = self.batch
         batch.iteration += 1
-        for req in live:
+        # NOTE: every live member in turn, as `schedule` would take it; those whose reserved
+        # blocks cover the step (all but a member's first decode) in one call
+        queue = deque(live)
+        while (req := step.schedule_covered(queue)) is not None:
             step.schedule(req, req.num_tokens_to_compute)
-        done = [r for r in batch.members if not r.status.is_running]
+        done = [r for r in batch.members if (s := r.status) is not _DECODING and s is not _PREFILLING]
         if self.config.varlen_attention:
             if done:
                 # Finished rows still run in the static batch, each at its own context.
