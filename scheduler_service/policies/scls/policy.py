@@ -39,15 +39,17 @@ a worker-formed batch), keep_kv (false), varlen_attention (false).
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from itertools import islice
 
 from scheduler_service.core.policy import POLICIES, Policy, PolicyConfig, PolicyContext
 from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
-from scheduler_service.core.request import Request
+from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.policies.scls.batcher import SliceTag, slice_tag
+
+_DECODING, _PREFILLING = RequestStatus.DECODING, RequestStatus.PREFILLING
 
 
 @dataclass
@@ -139,7 +141,8 @@ class SCLSPolicy(Policy):
             return
         current = self.slice
         if current is not None:
-            live = [r for r in current.members if r.status.is_running]
+            # NOTE: `status.is_running`, inlined (every member, every step)
+            live = [r for r in current.members if (s := r.status) is _DECODING or s is _PREFILLING]
             if live and current.iteration < current.slice_len:
                 self._decode(step, current, live)
                 return
@@ -162,7 +165,10 @@ class SCLSPolicy(Policy):
 
     def _decode(self, step: StepBuilder, current: _Slice, live: list[Request]) -> None:
         current.iteration += 1
-        for req in live:
+        # NOTE: every live member in turn, as `schedule` would take it; those whose slice
+        # reservation covers the step (all of them, but for a lost reservation) in one call
+        queue = deque(live)
+        while (req := step.schedule_covered(queue)) is not None:
             if not step.schedule(req, req.num_tokens_to_compute):
                 step.return_to_pool(req)  # its slice reservation was lost: the pool takes it back
         invalid = len(current.members) - len(live)
