@@ -261,3 +261,36 @@ def test_alise_hybrid_option_mixes_the_new_prompt_into_the_decode_batch() -> Non
     assert plan.num_scheduled_tokens == {"new": 8, "long": 1}
     run_to_completion(sched)
     sched.assert_empty()
+
+
+def test_aging_due_queue_gives_the_order_of_one_heap_of_entries() -> None:
+    """ALISE's aging checks come due in (time, seq) order. The due-time buckets must give exactly
+    what one heap of (time, seq, job) entries gives, with many jobs due at the same time (a
+    cohort that arrived together) and entries filed again while a step walks its due ones."""
+    import heapq
+    import random
+
+    from scheduler_service.policies.alise.aging import DueQueue
+
+    rng = random.Random(7)
+    jobs = [make_request(f"j{i}", 4, 4) for i in range(400)]
+    queue, heap = DueQueue(), []
+    for seq, job in enumerate(jobs):
+        due = rng.choice((1.0, 1.0, 2.0, 3.5)) if seq % 3 else rng.uniform(0.0, 5.0)  # many ties
+        queue.push(due, seq, job)
+        heapq.heappush(heap, (due, seq, job))
+    now, popped = 0.0, 0
+    while heap:
+        now += rng.uniform(0.1, 1.5)
+        want = []
+        while heap and heap[0][0] <= now:
+            want.append(heapq.heappop(heap))
+        got = queue.pop_due(now)
+        assert [(seq, job.request_id) for _, seq, job in want] == [(seq, job.request_id) for seq, job in got]
+        popped += len(got)
+        for (_, seq, job), entry in zip(want, got, strict=True):
+            if rng.random() < 0.5 and now < 20:  # filed again, at a time some others share
+                due = now + rng.choice((1.0, 2.0))
+                queue.push_entry(due, entry)
+                heapq.heappush(heap, (due, seq, job))
+    assert len(queue) == 0 and popped > 400

@@ -37,7 +37,6 @@ Configuration: see `AliseConfig`. Deviations from the paper are NOTE'd where the
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
@@ -48,6 +47,7 @@ from scheduler_service.core.preemption import PreemptionMode, PreemptionReason
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.step_builder import StepBuilder
 from scheduler_service.costmodel.base import CostModel
+from scheduler_service.policies.alise.aging import DueQueue
 from scheduler_service.policies.alise.levels import IndexedLevels, SortedLevels
 from scheduler_service.policies.decisions import (
     aging_due,
@@ -56,7 +56,7 @@ from scheduler_service.policies.decisions import (
     demoted_level,
     mispredicted_length,
 )
-from scheduler_service.policies.mlfq import JobState, MemoryMode, QueuePolicy, QueuePolicyConfig, Rank
+from scheduler_service.policies.mlfq import JobState, MemoryMode, QueueEntry, QueuePolicy, QueuePolicyConfig, Rank
 from scheduler_service.policies.paused_index import Entry
 from sluice.contract.plan import StepPlan, StepResult
 
@@ -137,7 +137,7 @@ class AlisePolicy(QueuePolicy):
         self.model = build_exec_model(config, ctx)
         self.level_base_s = self.model.decode(256, config.level_base_tokens)
         self.age_s = config.age_threshold_s if config.age_threshold_s is not None else 16 * self.level_base_s
-        self._aging: list[tuple[float, int, Request]] = []
+        self._aging = DueQueue()  # when each job's aging check is due
         self._judged: dict[int, list[Request]] = {}  # step id -> jobs it found mispredicted
 
     @property
@@ -207,7 +207,7 @@ class AlisePolicy(QueuePolicy):
         st.level = self.level_for(self.remaining_time(request))
         self.jobs[request.request_id] = request
         self.requeue(request)
-        heapq.heappush(self._aging, (now + self.age_s, st.seq, request))
+        self._aging.push(now + self.age_s, st.seq, request)
 
     def on_prediction(self, request: Request, now: float) -> None:
         """A later prediction: the job's remaining time and, while it waits without KV, its queue."""
@@ -260,15 +260,29 @@ class AlisePolicy(QueuePolicy):
 
     # ------------------------------------------------------------------ aging
     def before_step(self, step: StepBuilder, now: float) -> None:
-        aging = self._aging
-        while aging and aging[0][0] <= now:
-            _, seq, req = heapq.heappop(aging)
+        due = self._aging.pop_due(now)
+        if not due:
+            return
+        age, jobs, queues, aging = self.age_s, self.jobs, self.queues, self._aging
+        moved: list[QueueEntry] = []  # waiting jobs' new entries, filed together below
+        for entry in due:
+            req = entry[1]
             st: JobState = req.policy_state
-            if req.status.is_finished or req.request_id not in self.jobs or st.level == 0:
+            if req.status.is_finished or req.request_id not in jobs or st.level == 0:
                 continue
-            if aging_due(st.clock, self.age_s, now):  # NOTE: the heap's own arithmetic, or rounding loops
-                self._promote(req, st, now)
-            heapq.heappush(aging, (st.clock + self.age_s, seq, req))
+            if aging_due(st.clock, age, now):  # NOTE: the same arithmetic as the due time, or rounding loops
+                if st.in_heap:
+                    # NOTE: `_promote` of a waiting job, filed with the step's others: jobs that
+                    # arrived together age together (thousands in one step)
+                    st.clock = now
+                    remaining = self.remaining_time(req)
+                    queues.relevel(req, st.level - 1, remaining, remaining, moved)
+                    self.stats["agings"] += 1
+                else:
+                    self._promote(req, st, now)
+            aging.push_entry(st.clock + age, entry)
+        if moved:
+            queues.file_all(moved)
 
     def _promote(self, req: Request, st: JobState, now: float) -> None:
         waiting = st.in_heap
