@@ -161,19 +161,9 @@ class AlisePolicy(QueuePolicy):
         st: JobState = req.policy_state
         return (st.level, self.remaining_time(req), st.seq)
 
-    def refresh_ranks(self, jobs: Iterable[Request]) -> None:
-        # NOTE: remaining_time inlined: this runs over every running job every step.
-        t0, alpha, beta = self.model.t0, self.model.alpha, self.model.beta
-        for r in jobs:
-            st: JobState = r.policy_state
-            n_tok = r.num_prompt_tokens + r.num_output_tokens
-            left = st.predicted - r.num_output_tokens
-            pre = r.prefill_len - r.num_computed_tokens
-            t = (left if left > 1 else 1) * (alpha * n_tok + beta) + (t0 * pre if pre > 0 else 0.0)
-            st.rank = (st.level, t, st.seq)
-
     def ranked_entries(self, jobs: Collection[Request]) -> list[Entry]:
-        # NOTE: `refresh_ranks` and the entries in one pass: the running jobs, every step
+        # NOTE: `refresh_ranks` and the entries in one pass, `remaining_time` inlined (the same
+        # arithmetic): the running jobs, every step
         t0, alpha, beta = self.model.t0, self.model.alpha, self.model.beta
         out: list[Entry] = []
         for r in jobs:
