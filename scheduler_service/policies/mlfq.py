@@ -276,9 +276,7 @@ class QueuePolicy(Policy):
         self.num_levels = num_levels
         self.queues = LevelQueues(num_levels)
         self.jobs: dict[str, Request] = {}  # every unfinished job on this worker
-        # this step's KV holders in rank order (ranks in policy_state.rank); with `index_paused`,
-        # in a prefill pass, its running jobs in rank order (the seats `_pause_worse` can take)
-        self.ranked: list[Request] = []
+        self.ranked: list[Request] = []  # without `index_paused`: this step's KV holders in rank order
         self.run_entries: list[Entry] = []  # with `index_paused`: this step's running jobs' entries, sorted
         self.admitted: list[Request] = []  # waiting jobs this step admitted
         self.paused = PausedIndex(self.entries_current)  # with `index_paused`: the kept and swapped jobs by rank
@@ -330,9 +328,12 @@ class QueuePolicy(Policy):
         """(Re)files a KV-less job in its level's heap with a fresh key and weight."""
         st: JobState = req.policy_state
         self.queues.discard(req)
-        st.key = self.rank(req)[1]
-        st.weight = self.weight(req)
+        st.key, st.weight = self.key_and_weight(req)
         self.queues.push(req)
+
+    def key_and_weight(self, req: Request) -> tuple[float, float]:
+        """A waiting job's key in its level and what it adds to the level's sum."""
+        return self.rank(req)[1], self.weight(req)
 
     def unfile(self, req: Request) -> bool:
         """Before an answer moves a job's level: with overlap the job may have left the batch
@@ -402,7 +403,6 @@ class QueuePolicy(Policy):
             # sorted running jobs and the paused index: the paused jobs are never sorted
             run = self.running_entries(step)
             paused = self.paused
-            self.ranked = [e[3] for e in run]
         else:
             self.ranked = self.ranked_kv_jobs(step)
         self._ranked_at = step
@@ -441,7 +441,11 @@ class QueuePolicy(Policy):
         """Iteration-level preemption on a full engine: the worst-ranked running job below
         `rank` gives its seat (paused, KV kept). False when every running job ranks better."""
         scheduled = step.scheduled
-        for req in reversed(self.ranked):
+        indexed = self.index_paused
+        # NOTE: with the index, only the running jobs (sorted this step) are walked: no paused
+        # job can give a seat, and no list of their requests is built for the walk
+        for item in reversed(self.run_entries if indexed else self.ranked):
+            req = item[3] if indexed else item
             if req.policy_state.rank <= rank:
                 return False
             # NOTE: `req.status.is_running and not step.is_scheduled(req)`, inlined: the walk from

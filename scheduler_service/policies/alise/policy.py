@@ -181,13 +181,10 @@ class AlisePolicy(QueuePolicy):
     def weight(self, req: Request) -> float:
         return self.remaining_time(req)
 
-    def requeue(self, req: Request) -> None:
-        # NOTE: `QueuePolicy.requeue` with the remaining time computed once: it is both the key
-        # and the weight (aging re-files about 20 waiting jobs a step)
-        st: JobState = req.policy_state
-        self.queues.discard(req)
-        st.key = st.weight = self.remaining_time(req)
-        self.queues.push(req)
+    def key_and_weight(self, req: Request) -> tuple[float, float]:
+        # NOTE: both are the remaining time: computed once
+        remaining = self.remaining_time(req)
+        return remaining, remaining
 
     # ------------------------------------------------------------------ hooks
     def on_arrival(self, request: Request, now: float) -> None:
