@@ -295,7 +295,10 @@ class StepBuilder:
             self._sched.metrics.kv_alloc_failures += 1
             return False
         if self._caching:
-            self._count_hit(request, 0)
+            # NOTE: `_count_hit(request, 0)` less its memo drops: `prefix_hit` answers [] for
+            # such a request before it files a memo, so it has none
+            request.num_computed_tokens = request.num_cached_tokens = 0
+            self._sched.metrics.on_prefix_lookup(request.num_prompt_tokens + request.num_output_tokens, 0)
         self._sched.admit(request, self.now)
         budget = self.budget
         budget.num_tokens += num_tokens

@@ -126,6 +126,7 @@ class LevelQueues:
         self.counts = [0] * num_levels
         self.sums = [0.0] * num_levels
         self.changes = 0  # bumped by every push and discard: a peeked head is stale once it moves
+        self.filed = 0  # bumped wherever entries are filed: a list found empty may hold one since
 
     def __len__(self) -> int:
         return sum(self.counts)
@@ -143,6 +144,7 @@ class LevelQueues:
 
     def _file(self, entry: QueueEntry, level: int) -> None:
         """Files an entry where it keeps the front before its heap."""
+        self.filed += 1
         front = self.fronts[level]
         if front and entry < front[-1]:
             insort(front, entry)
@@ -154,6 +156,7 @@ class LevelQueues:
         jobs untouched since). Those ranked before the level's front and heap go to the
         front in one move; the rest are filed one by one."""
         entries.sort()
+        self.filed += 1
         level = entries[0][3].policy_state.level
         front, heap = self.fronts[level], self.heaps[level]
         last = entries[-1]
@@ -181,6 +184,7 @@ class LevelQueues:
     def file_all(self, entries: list[QueueEntry]) -> None:
         """Files the new entries `relevel` gave, where `push` would; a heap that takes many at
         once is rebuilt without its stale entries instead of sifting each in."""
+        self.filed += 1
         by_level: dict[int, list[QueueEntry]] = {}
         for entry in entries:
             by_level.setdefault(entry[3].policy_state.level, []).append(entry)
@@ -536,6 +540,7 @@ class QueuePolicy(Policy):
         run_kv_job, run_covered = self._run_kv_job, kv_jobs.run_covered
         tokens_to_compute, scheduled = step.tokens_to_compute, step.scheduled
         levels = queues.in_order()
+        filed = queues.filed  # when `levels` was last read whole
         counts, sums, heappop = queues.counts, queues.sums, heapq.heappop
         waiting_open = admit_waiting
         head: Request | None = None
@@ -550,7 +555,11 @@ class QueuePolicy(Policy):
                 # NOTE: re-peeked only when the queues moved (a pop, or a job an eviction
                 # sent back to recompute): most of a step is running jobs ranked ahead.
                 # `queues.peek()` and `filed_rank`, inlined (40 to 250 heads a step)
+                if filed != queues.filed:
+                    # NOTE: an entry was filed since: a list dropped below as empty may hold it
+                    levels, filed = queues.in_order(), queues.filed
                 head = head_rank = None
+                empty = 0  # the lists before the head's, all empty now
                 for entries, is_heap in levels:
                     while entries:
                         top = entries[0]
@@ -565,6 +574,12 @@ class QueuePolicy(Policy):
                             del entries[0]
                     if head is not None:
                         break
+                    empty += 1
+                if empty:
+                    # NOTE: they stay empty until something is filed (then `levels` is read
+                    # again): the next peeks start past them (FastServe's waiting jobs sit in its
+                    # last level, after eight empty lists, and a step peeks about 45 heads)
+                    del levels[:empty]
                 peeked = queues.changes
             # NOTE: most of a step: the KV holders ranked ahead of the waiting head, each
             # scheduled (a kept one resumed too) in one call when its blocks cover its step.

@@ -3,6 +3,8 @@ and decoding rejects malformed messages with an error that names the field."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from sluice.contract.plan import (
@@ -13,6 +15,7 @@ from sluice.contract.plan import (
     StepError,
     StepPlan,
     StepResult,
+    new_request_data,
 )
 from sluice.contract.plan_codec import (
     TOKEN_BUDGET_KEY,
@@ -353,3 +356,19 @@ def test_repeating_ids_needs_a_decoded_previous_step_on_the_stream() -> None:
         receiver.decode(uneven)
     with pytest.raises(InvalidRequestError, match="same_scheduled_ids"):
         receiver.decode(plan_to_proto(_steady(3, ("a",)), same_scheduled_ids=True))  # the failed one reset it
+
+
+def test_the_cheap_new_request_builder_gives_the_dataclass_it_builds():
+    """`new_request_data` (what the scheduler's plan writer builds with) bypasses the frozen
+    dataclass's `__init__`: the value must be the one `__init__` makes, still frozen, equal,
+    hashable alike and encoded alike."""
+    sampling = SamplingParams(max_tokens=9, temperature=0.5, seed=3)
+    args = ("r7", (5, 6, 7), 3, sampling, (4, 1), 2, 1, TRACEPARENT)
+    built, made = new_request_data(*args), NewRequestData(*args)
+    assert type(built) is NewRequestData
+    assert built == made and hash(built) == hash(made)
+    assert tuple(getattr(built, f.name) for f in dataclasses.fields(built)) == args
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.num_tokens = 4  # type: ignore[misc]
+    plan = _plan(new_requests=(built,))
+    assert _over_the_wire_plan(plan).new_requests == (made,)

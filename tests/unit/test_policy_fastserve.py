@@ -292,6 +292,48 @@ def test_level_queues_with_fronts_give_the_order_of_one_heap() -> None:
     assert fronts_used > 0  # the put-backs went to the fronts
 
 
+def test_a_job_filed_mid_step_in_a_level_the_walk_found_empty_is_the_next_head() -> None:
+    """The walk over waiting heads skips, for the rest of the step, the levels it found empty,
+    unless a job is filed since. Here a decode's eviction files the victim in queue 0 (empty
+    when the walk found the head in queue 1): the victim is the next head, and as it does not
+    fit (defer: a new job waits for memory) the step admits nobody after it. Without the
+    refiled level read again, the head behind it would be admitted in its place."""
+    sched = make_scheduler(
+        "fastserve:quantum_s=0.02,memory=defer,watermark=0",
+        num_gpu_blocks=17,
+        block_size=16,
+        max_num_batched_tokens=512,
+    )
+    policy = sched.policy
+    assert isinstance(policy, FastServePolicy)
+
+    def requeue_first(req: object) -> None:
+        # a policy whose recompute sends a job to the front of queue 0 (FastServe's keeps its place)
+        st = req.policy_state  # type: ignore[attr-defined]
+        policy.queues.discard(req)  # type: ignore[arg-type]
+        st.level, st.key = 0, -1.0
+        st.rank = (0, -1.0, st.seq)
+        st.entry = (0, -1.0, st.seq, req)
+        policy.queues.push(req)  # type: ignore[arg-type]
+
+    policy.requeue = requeue_first  # type: ignore[method-assign]
+    runner = make_request("runner", 112, 4)  # 7 full blocks: its first decode needs an 8th
+    victim = make_request("victim", 160, 2)  # 10 blocks; 11 to come back after one token
+    for req in (runner, victim):
+        sched.add_request(req, 0.0)
+    step(sched, 0.0)
+    assert sched.kv.gpu.num_free == 0
+    late = make_request("late", 120, 2)  # 8 blocks: would fit in what the eviction frees
+    sched.add_request(late, 0.01)
+    assert [level(r) for r in (runner, victim, late)] == [1, 1, 1]
+    plan, _ = step(sched, 0.01)
+    assert sched.metrics.preemptions[("recompute", "kv_pressure")] == 1
+    assert level(victim) == 0 and victim.status is RequestStatus.PREEMPTED_RECOMPUTE
+    assert list(plan.num_scheduled_tokens) == ["runner"]
+    run_to_completion(sched)
+    sched.assert_empty()
+
+
 def test_the_paused_index_files_a_steps_pauses_in_rank_order() -> None:
     """`_merged` files a step's new entries among the paused ones (at the end, one alone,
     clustered before every old entry, spread through them) exactly as sorting both would."""
