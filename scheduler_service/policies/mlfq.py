@@ -167,43 +167,49 @@ class LevelQueues:
                 self._file(entry, level)
         self.changes += 1
 
-    def relevel(self, req: Request, level: int, key: float, weight: float, out: list[QueueEntry]) -> None:
-        """Moves a waiting job to `level` with a new key and weight: what `discard`, then `push`
-        with those, do, except that its new entry is appended to `out` for `file_all` (aging
-        moves thousands of waiting jobs in one step when they arrived together)."""
-        st: JobState = req.policy_state
-        self.counts[st.level] -= 1
-        self.sums[st.level] -= st.weight
-        st.version += 2  # NOTE: the versions `discard`, then `push`, would give
-        self.changes += 2
-        st.level, st.key, st.weight = level, key, weight
-        self.counts[level] += 1
-        self.sums[level] += weight
-        out.append((key, st.seq, st.version, req))
-
-    def file_all(self, entries: list[QueueEntry]) -> None:
-        """Files the new entries `relevel` gave, where `push` would; a heap that takes many at
-        once is rebuilt without its stale entries instead of sifting each in."""
+    def move_up(self, jobs: list[Request], keys: list[float]) -> None:
+        """Moves each waiting job one level up with its new key, which is also its weight: what
+        `discard`, then `push`, of each in turn do (every level's count and sum take the same
+        additions in the same order, so its sum is the same float), except that the new entries
+        are filed level by level at the end, and a heap that takes many at once is rebuilt
+        without its stale entries instead of sifting each in (aging moves thousands of waiting
+        jobs in one step when they arrived together)."""
+        counts, sums = self.counts, self.sums
+        new: list[list[QueueEntry]] = [[] for _ in counts]  # by level
+        for req, key in zip(jobs, keys, strict=True):
+            st: JobState = req.policy_state
+            level = st.level
+            counts[level] -= 1
+            sums[level] -= st.weight
+            st.version += 2  # NOTE: the versions `discard`, then `push`, would give
+            level -= 1
+            st.level, st.key, st.weight = level, key, key
+            counts[level] += 1
+            sums[level] += key
+            new[level].append((key, st.seq, st.version, req))
+        self.changes += 2 * len(jobs)
         self.filed += 1
-        by_level: dict[int, list[QueueEntry]] = {}
-        for entry in entries:
-            by_level.setdefault(entry[3].policy_state.level, []).append(entry)
-        for level, new in by_level.items():
-            front, heap = self.fronts[level], self.heaps[level]
-            if front:
-                last = front[-1]
-                for entry in new:
-                    if entry < last:
-                        insort(front, entry)
-                new = [e for e in new if e > last]
-            if len(new) * 8 > len(heap):
-                # NOTE: the stale entries (mostly of the jobs just moved) go as it is rebuilt
-                heap[:] = [e for e in heap if (st := e[3].policy_state).in_heap and st.version == e[2]]
-                heap += new
-                heapq.heapify(heap)
-            else:
-                for entry in new:
-                    heapq.heappush(heap, entry)
+        for level, entries in enumerate(new):
+            if entries:
+                self._file_many(level, entries)
+
+    def _file_many(self, level: int, new: list[QueueEntry]) -> None:
+        """Files new entries of one level where `push` would put each."""
+        front, heap = self.fronts[level], self.heaps[level]
+        if front:
+            last = front[-1]
+            for entry in new:
+                if entry < last:
+                    insort(front, entry)
+            new = [e for e in new if e > last]
+        if len(new) * 8 > len(heap):
+            # NOTE: the stale entries (mostly of the jobs just moved) go as it is rebuilt
+            heap[:] = [e for e in heap if (st := e[3].policy_state).in_heap and st.version == e[2]]
+            heap += new
+            heapq.heapify(heap)
+        else:
+            for entry in new:
+                heapq.heappush(heap, entry)
 
     def discard(self, req: Request) -> None:
         """Takes a job out (lazily: its entry goes stale)."""

@@ -288,9 +288,67 @@ def test_aging_due_queue_gives_the_order_of_one_heap_of_entries() -> None:
         got = queue.pop_due(now)
         assert [(seq, job.request_id) for _, seq, job in want] == [(seq, job.request_id) for seq, job in got]
         popped += len(got)
+        together: list[tuple[int, object]] = []  # filed again as one batch (a promoted cohort)
         for (_, seq, job), entry in zip(want, got, strict=True):
             if rng.random() < 0.5 and now < 20:  # filed again, at a time some others share
                 due = now + rng.choice((1.0, 2.0))
                 queue.push_entry(due, entry)
                 heapq.heappush(heap, (due, seq, job))
+            elif rng.random() < 0.5 and now < 20:
+                together.append(entry)
+                heapq.heappush(heap, (now + 1.0, seq, job))
+        if together:
+            rng.shuffle(together)  # a bucket's order comes from its sort, not from its filing
+            queue.push_entries(now + 1.0, together)  # type: ignore[arg-type]
     assert len(queue) == 0 and popped > 400
+
+
+def test_moving_waiting_jobs_up_together_is_discard_then_push_of_each() -> None:
+    """`LevelQueues.move_up` (a cohort promoted by aging) must leave every level's count, its
+    sum of weights to the last bit, and the order of every later take as `discard`, then
+    `push`, of each job in turn: the EWTs of Algorithm 2 are summed from those sums."""
+    import random
+
+    from scheduler_service.policies.mlfq import LevelQueues
+
+    rng = random.Random(11)
+    levels = 5
+
+    def build() -> tuple[LevelQueues, list[Request]]:
+        queues, jobs = LevelQueues(levels), []
+        for seq in range(1, 601):
+            job = make_request(f"j{seq}", 4, 4)
+            weight = rng.uniform(0.001, 3.0)
+            job.policy_state = JobState(level=rng.randrange(1, levels), key=weight, seq=seq, clock=0.0, weight=weight)
+            queues.push(job)
+            jobs.append(job)
+        return queues, jobs
+
+    state = rng.getstate()
+    bulk, bulk_jobs = build()
+    rng.setstate(state)
+    one_by_one, jobs = build()
+    for _ in range(6):
+        picked = rng.sample(range(len(jobs)), rng.choice((5, 300, 580)))  # a few, half, nearly all
+        keys = [rng.uniform(0.001, 3.0) for _ in picked]
+        bulk.move_up(
+            [bulk_jobs[i] for i in picked if bulk_jobs[i].policy_state.level > 0],
+            [k for i, k in zip(picked, keys, strict=True) if bulk_jobs[i].policy_state.level > 0],
+        )
+        for i, key in zip(picked, keys, strict=True):
+            st = jobs[i].policy_state
+            if st.level == 0:
+                continue
+            one_by_one.discard(jobs[i])
+            st.level, st.key, st.weight = st.level - 1, key, key
+            one_by_one.push(jobs[i])
+        assert bulk.counts == one_by_one.counts
+        assert bulk.sums == one_by_one.sums  # the same floats, not close ones
+        assert bulk.changes == one_by_one.changes
+    order = []
+    while (head := bulk.pop()) is not None:
+        order.append(head.request_id)
+    want = []
+    while (head := one_by_one.pop()) is not None:
+        want.append(head.request_id)
+    assert order == want and len(order) == 600

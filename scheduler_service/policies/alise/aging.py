@@ -37,6 +37,16 @@ class DueQueue:
         else:
             bucket.append(entry)
 
+    def push_entries(self, due: float, entries: list[tuple[int, Request]]) -> None:
+        """`push_entry(due, e)` of each (a bucket is sorted when it is taken, so the order in
+        which its entries come does not matter)."""
+        bucket = self._buckets.get(due)
+        if bucket is None:
+            self._buckets[due] = entries
+            heapq.heappush(self._times, due)
+        else:
+            bucket += entries
+
     def pop_due(self, now: float) -> list[tuple[int, Request]]:
         """Every (seq, job) due at or before `now`, by due time then seq (seqs are unique, so a
         job is never compared); entries pushed while the caller walks them are the next call's."""
