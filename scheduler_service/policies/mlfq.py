@@ -123,6 +123,11 @@ class LevelQueues:
     def __init__(self, num_levels: int) -> None:
         self.heaps: list[list[QueueEntry]] = [[] for _ in range(num_levels)]
         self.fronts: list[list[QueueEntry]] = [[] for _ in range(num_levels)]  # ascending, before the heap
+        # NOTE: every level's front, then its heap (the lists are never replaced, only changed
+        # in place): built once, where a peek per waiting head rebuilt it (ALISE's prefill pass)
+        self._order = [
+            pair for front, heap in zip(self.fronts, self.heaps, strict=True) for pair in ((front, False), (heap, True))
+        ]
         self.counts = [0] * num_levels
         self.sums = [0.0] * num_levels
         self.changes = 0  # bumped by every push and discard: a peeked head is stale once it moves
@@ -223,14 +228,12 @@ class LevelQueues:
         self.sums[st.level] -= st.weight
 
     def in_order(self) -> list[tuple[list[QueueEntry], bool]]:
-        """Every level's front, then its heap, best level first: (entries, is a heap)."""
-        out: list[tuple[list[QueueEntry], bool]] = []
-        for front, heap in zip(self.fronts, self.heaps, strict=True):
-            out += ((front, False), (heap, True))
-        return out
+        """Every level's front, then its heap, best level first: (entries, is a heap), in a list
+        of the caller's own."""
+        return self._order.copy()
 
     def peek(self) -> Request | None:
-        for entries, is_heap in self.in_order():
+        for entries, is_heap in self._order:
             while entries:
                 _, _, version, req = entries[0]
                 st: JobState = req.policy_state
