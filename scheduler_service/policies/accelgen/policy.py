@@ -76,7 +76,7 @@ from scheduler_service.policies.accelgen.queue import (
     holds_kv,
     is_offline,
 )
-from scheduler_service.policies.accelgen.select import Candidate, CandidateSet
+from scheduler_service.policies.accelgen.select import Candidate, CandidateSet, DecodePoint
 from scheduler_service.policies.common import preemption_mode, time_limited_chunk
 from scheduler_service.policies.decisions import eq6_budget
 from sluice.contract.plan import StepPlan, StepResult
@@ -529,10 +529,18 @@ class AccelGenPolicy(Policy):
         while nxt is not None and r.scanned < self.config.max_scan:
             window, nxt = self._window(r, nxt)
             if not r.budget_set:
-                self._fix_budget(r, min(self.rt.iteration_slo(e[3].request) for e in window))
+                # NOTE: `RemainingTime.iteration_slo` of each, from the SLOs its state keeps (as
+                # `_step_slo` does): a window holds up to 256 entries
+                tightest = float("inf")
+                for e in window:
+                    st = e[3]
+                    v = st.ttft_slo_s if st.request.num_output_tokens == 0 else st.tbt_slo_s
+                    if v < tightest:
+                        tightest = v
+                self._fix_budget(r, tightest)
             cands = self._candidates(r, window)
             picked = self._fill(r, cands)
-            r.deferred.extend(c.entry for c in cands.leftovers())
+            r.deferred.extend(cands.leftovers())
             if not picked or step.budget.remaining_tokens <= 0 or self._free_kv_tokens(step) <= 0:
                 break  # NOTE: a window where nothing fits ends the search (the next ones are less urgent)
         if nxt is not None:
@@ -543,25 +551,44 @@ class AccelGenPolicy(Policy):
         limit = first[0] + self.config.gamma_s
         max_candidates, max_scan, order = self.config.max_candidates, self.config.max_scan, self.config.order
         index = self.index
-        holders, heappop = index.holders, heapq.heappop
+        if not r.allow_waiting:
+            return self._holders_window(r, window, limit)
         while len(window) < max_candidates and r.scanned < max_scan:
-            if r.allow_waiting:
-                entry = index.pop(True, include_late=True)
-                if entry is None:
-                    return window, None
-            else:
-                # NOTE: `index.pop(False)` inlined, as in `_take_urgent` (a window holds ~100 decodes)
-                while holders:
-                    entry = heappop(holders)
-                    if entry[3].seq == entry[1]:
-                        break
-                else:
-                    return window, None
+            entry = index.pop(True, include_late=True)
+            if entry is None:
+                return window, None
             r.scanned += 1
             if order and entry[0] > limit:
                 return window, entry
             window.append(entry)
         return window, None
+
+    def _holders_window(self, r: _Round, window: list[Entry], limit: float) -> tuple[list[Entry], Entry | None]:
+        """`_window` when the seats are full: `index.pop(False)` of each, read in order from the
+        KV holders' heap sorted once, its consumed entries cut off at the end (a sorted list is
+        a heap, and the entries are unique, so later pops come in the same order). A window is
+        most of the running requests once none is urgent: one sort of 256 entries is half the
+        time of 256 pops."""
+        max_candidates, max_scan, order = self.config.max_candidates, self.config.max_scan, self.config.order
+        holders = self.index.holders
+        holders.sort()
+        i, size = 0, len(holders)
+        nxt: Entry | None = None
+        while len(window) < max_candidates and r.scanned < max_scan:
+            while i < size:
+                entry = holders[i]
+                i += 1
+                if entry[3].seq == entry[1]:
+                    break
+            else:
+                break
+            r.scanned += 1
+            if order and entry[0] > limit:
+                nxt = entry
+                break
+            window.append(entry)
+        del holders[:i]
+        return window, nxt
 
     def _free_kv_tokens(self, step: StepBuilder) -> int:
         """A_m: unallocated KV in tokens (the watermark binds only new admissions)."""
@@ -591,7 +618,7 @@ class AccelGenPolicy(Policy):
                 group = decodes.get(d_m)
                 if group is None:
                     decodes[d_m] = group = []
-                group.append(Candidate(req, entry, n, d_m))
+                group.append((n, entry, req))  # NOTE: `cands.add` of its Candidate, without the object
                 continue
             if (req.status.is_waiting and len(step.running) >= self.ctx.max_num_seqs) or self._era_blocks(req):
                 r.deferred.append(entry)
@@ -637,7 +664,7 @@ class AccelGenPolicy(Policy):
                 r.deferred.append(pick.entry)
         return picked
 
-    def _drain_covered(self, r: _Round, pick: Candidate, group: list[Candidate]) -> tuple[int, Candidate | None]:
+    def _drain_covered(self, r: _Round, pick: Candidate, group: list[DecodePoint]) -> tuple[int, Candidate | None]:
         """`_fill`'s picks once the nearest is a decode that needs no block and no prompt fits:
         returns how many were placed, and the pick it could not place this way (None: the
         budget or the group ran out), for `_fill` to place the general way.
@@ -654,10 +681,11 @@ class AccelGenPolicy(Policy):
         view = r.step.table_cover()
         tables, scheduled, block_size = view if view is not None else ({}, {}, 0)
         placed = 0
-        rest: Candidate | None = pick
-        while rest is not None:
-            req = rest.request
-            n = min(rest.tokens, budget.max_tokens - budget.num_tokens)
+        tokens, entry, req = pick.tokens, pick.entry, pick.request  # the decode at hand
+        stuck = True  # the walk ends at a decode it cannot place (False: the budget or the group ran out)
+        while True:
+            left = budget.max_tokens - budget.num_tokens
+            n = tokens if tokens < left else left
             computed = req.num_computed_tokens
             if req.status is not _DECODING or computed < req.prefill_len:
                 break
@@ -685,8 +713,13 @@ class AccelGenPolicy(Policy):
             else:
                 batch.append(req)  # all `_scheduled` does for it
             placed += 1
-            rest = group.pop() if group and budget.max_tokens > budget.num_tokens else None
+            if not group or budget.max_tokens <= budget.num_tokens:
+                stuck = False
+                break
+            tokens, entry, req = group.pop()
         if placed:
             self.num_alg2_placements += placed
             self.stats["alg2_decodes"] += placed
-        return placed, rest
+        # NOTE: the group's candidates are (D_c, entry, request) points: the one the walk ends
+        # at becomes a Candidate (D_m 0, as the pick's) only now, for `_fill`'s general path
+        return placed, Candidate(req, entry, tokens, 0) if stuck else None

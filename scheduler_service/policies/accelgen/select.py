@@ -7,7 +7,10 @@ it, the free point shrinks, and it asks again until nothing fits.
 
 Decodes are all (1, 0) or (1, block): instead of one point per decode they are kept in
 one group per D_m, so a step with 256 decodes and a few prompts costs O(prompts) per
-pick rather than O(candidates). The squared distance is compared (same argmin).
+pick rather than O(candidates). The squared distance is compared (same argmin). A group
+holds plain (D_c, entry, request) triples; a `Candidate` is made only for the decode a pick
+returns (a step's window is every running request: 256 objects a step, where the policy
+drains most groups without one).
 """
 
 from __future__ import annotations
@@ -30,21 +33,25 @@ class Candidate:
     kv_tokens: int  # D_m
 
 
+DecodePoint = tuple[int, "IndexEntry", Request]  # a decode's (D_c, its heap entry, request) in its D_m group
+
+
 @dataclass(slots=True)
 class CandidateSet:
     """Prompt (and chunk) candidates one by one; decodes grouped by D_m."""
 
     prompts: list[Candidate] = field(default_factory=list)
-    decodes: dict[int, list[Candidate]] = field(default_factory=dict)
+    decodes: dict[int, list[DecodePoint]] = field(default_factory=dict)
 
     def add(self, c: Candidate, is_decode: bool) -> None:
         if is_decode:
-            self.decodes.setdefault(c.kv_tokens, []).append(c)
+            self.decodes.setdefault(c.kv_tokens, []).append((c.tokens, c.entry, c.request))
         else:
             self.prompts.append(c)
 
-    def leftovers(self) -> list[Candidate]:
-        return self.prompts + [c for group in self.decodes.values() for c in group]
+    def leftovers(self) -> list[IndexEntry]:
+        """The heap entries of every candidate not picked."""
+        return [c.entry for c in self.prompts] + [d[1] for group in self.decodes.values() for d in group]
 
     def nearest(self, a_c: int, a_m: int) -> tuple[Candidate | None, bool]:
         """(closest fitting candidate or None, whether any prompt candidate fits). The
@@ -65,7 +72,8 @@ class CandidateSet:
                     if d < best_d:
                         best_d, best_group = d, d_m
         if best_group is not None:
-            return self.decodes[best_group].pop(), prompt_fits
+            tokens, entry, request = self.decodes[best_group].pop()
+            return Candidate(request, entry, tokens, best_group), prompt_fits
         if prompt_fits:
             return self.prompts.pop(best_i), True
         return None, False
