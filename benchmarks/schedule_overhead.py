@@ -34,6 +34,13 @@ Filling 1,000 running takes 1 to 1,000 steps per policy, about two minutes for a
     python benchmarks/schedule_overhead.py --steps 100 --sizes 256:10000,1000:10000,1000:100000
     python benchmarks/schedule_overhead.py --policy vllm --policy accelgen:batch=false
     python benchmarks/schedule_overhead.py --steps 200 --clock cpu --rounds 3 --interleave
+    python benchmarks/schedule_overhead.py --steps 600 --window 100 --clock cpu
+
+With `--window N` each policy's mean is also reported per window of N steps (median over the
+rounds), to show whether a policy's cost stops growing with the run's length: the state
+moves as the queue drains into the running and paused sets (FastServe's paused jobs grow by
+a dozen a step, AccelGen's requests leave the urgent path after about 100 steps, ALISE's
+waiting jobs age together every 250 steps or so).
 """
 
 from __future__ import annotations
@@ -159,18 +166,9 @@ def fill(sched: Scheduler, running: int = RUNNING) -> float:
     return now
 
 
-def measure(
-    policy: str, steps: int, requests: list[TraceRequest], cost_model: CostModel, running: int = RUNNING
-) -> dict[str, float]:
-    sched = build(policy, requests, cost_model, running)
-    now = fill(sched, running)
-    gc.collect()  # NOTE: every window starts from a collected heap (see the module's docstring)
-    times = []
-    for k in range(steps):
-        elapsed, _ = advance(sched, now + k * STEP_S)
-        times.append(elapsed)
+def _summary(times: list[float], sched: Scheduler, window: int) -> dict[str, Any]:
     a = np.array(times) * 1e3
-    return {
+    out: dict[str, Any] = {
         "mean": float(a.mean()),
         "p50": float(np.percentile(a, 50)),
         "p99": float(np.percentile(a, 99)),
@@ -178,11 +176,37 @@ def measure(
         "paused": len(sched.kept) + len(sched.swapped),
         "waiting": len(sched.waiting),
     }
+    if window:
+        out["windows"] = [float(a[i : i + window].mean()) for i in range(0, len(a), window)]
+    return out
+
+
+def measure(
+    policy: str,
+    steps: int,
+    requests: list[TraceRequest],
+    cost_model: CostModel,
+    running: int = RUNNING,
+    window: int = 0,
+) -> dict[str, Any]:
+    sched = build(policy, requests, cost_model, running)
+    now = fill(sched, running)
+    gc.collect()  # NOTE: every window starts from a collected heap (see the module's docstring)
+    times = []
+    for k in range(steps):
+        elapsed, _ = advance(sched, now + k * STEP_S)
+        times.append(elapsed)
+    return _summary(times, sched, window)
 
 
 def measure_interleaved(
-    specs: list[str], steps: int, requests: list[TraceRequest], cost_model: CostModel, running: int = RUNNING
-) -> dict[str, dict[str, float]]:
+    specs: list[str],
+    steps: int,
+    requests: list[TraceRequest],
+    cost_model: CostModel,
+    running: int = RUNNING,
+    window: int = 0,
+) -> dict[str, dict[str, Any]]:
     """`measure` of every policy, their steps alternating: step k of each in turn."""
     scheds = {p: build(p, requests, cost_model, running) for p in specs}
     starts = {p: fill(sched, running) for p, sched in scheds.items()}
@@ -191,18 +215,7 @@ def measure_interleaved(
     for k in range(steps):
         for p, sched in scheds.items():
             times[p].append(advance(sched, starts[p] + k * STEP_S)[0])
-    out = {}
-    for p, sched in scheds.items():
-        a = np.array(times[p]) * 1e3
-        out[p] = {
-            "mean": float(a.mean()),
-            "p50": float(np.percentile(a, 50)),
-            "p99": float(np.percentile(a, 99)),
-            "running": len(sched.running),
-            "paused": len(sched.kept) + len(sched.swapped),
-            "waiting": len(sched.waiting),
-        }
-    return out
+    return {p: _summary(times[p], sched, window) for p, sched in scheds.items()}
 
 
 def workload_of(size: int, cost_model: CostModel) -> list[TraceRequest]:
@@ -225,6 +238,9 @@ def main() -> None:
         choices=("wall", "cpu"),
         default="wall",
         help="wall time per call, or the thread's CPU time (steadier on a shared machine)",
+    )
+    parser.add_argument(
+        "--window", type=int, default=0, help="also report each policy's mean per window of this many steps"
     )
     parser.add_argument("--json", type=Path, help="write every shape's rows, the growth and the run's settings here")
     args = parser.parse_args()
@@ -252,12 +268,13 @@ def main() -> None:
         with tqdm(total=args.rounds * len(specs), desc=f"{running}:{waiting}", leave=False) as bar:
             for _ in range(args.rounds):
                 if args.interleave:
-                    for policy, r in measure_interleaved(specs, args.steps, requests, cost_model, running).items():
+                    measured = measure_interleaved(specs, args.steps, requests, cost_model, running, args.window)
+                    for policy, r in measured.items():
                         results[policy].append(r)
                     bar.update(len(specs))
                     continue
                 for policy in specs:
-                    results[policy].append(measure(policy, args.steps, requests, cost_model, running))
+                    results[policy].append(measure(policy, args.steps, requests, cost_model, running, args.window))
                     bar.update(1)
         tqdm.write(
             f"\n{running} running, {waiting} waiting, {args.steps} steps, {args.rounds} round(s), {args.clock} time"
@@ -287,6 +304,23 @@ def main() -> None:
         ms, ratio = "{:.3f}", "{:.2f}x"
         formats = {"mean ms": ms, "p50 ms": ms, "p99 ms": ms, "mean/vllm": ratio, "p99/vllm": ratio}
         tqdm.write(format_table(rows, formats=formats))
+        if args.window:
+            tqdm.write(
+                f"\nmean ms per window of {args.window} steps (median over the rounds), and the last window / vllm's"
+            )
+            windows = []
+            for policy in specs:
+                per = [statistics.median(w) for w in zip(*(r["windows"] for r in results[policy]), strict=True)]
+                base = [statistics.median(w) for w in zip(*(r["windows"] for r in results[BASELINE]), strict=True)]
+                row: dict[str, Any] = {"policy": policy}
+                row.update({f"{i * args.window}-": v for i, v in enumerate(per)})
+                row["last/vllm"] = per[-1] / base[-1]
+                windows.append(row)
+            tqdm.write(
+                format_table(
+                    windows, formats={k: (ratio if k == "last/vllm" else ms) for k in windows[0] if k != "policy"}
+                )
+            )
         record["shapes"][f"{running}:{waiting}"] = {
             "rows": rows,
             "per_round": {p: results[p] for p in specs},
