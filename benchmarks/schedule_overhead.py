@@ -35,6 +35,13 @@ Filling 1,000 running takes 1 to 1,000 steps per policy, about two minutes for a
     python benchmarks/schedule_overhead.py --policy vllm --policy accelgen:batch=false
     python benchmarks/schedule_overhead.py --steps 200 --clock cpu --rounds 3 --interleave
     python benchmarks/schedule_overhead.py --steps 600 --window 100 --clock cpu
+    python benchmarks/schedule_overhead.py --steps 300 --clock cpu --rounds 3 --adjacent
+
+With `--adjacent` the policies are measured in turn, each right after 300 (`--steps`) more
+steps of one vllm scheduler kept for the round, and its ratio is to those: a shared machine's
+slow spells last seconds (every policy measured in one ran 1.7-2x slower, vllm's steps
+included when they fell in it), so a ratio to a vllm measured a second earlier reads the same
+machine, where the plain in-turn ratio compares rounds' ends with their starts.
 
 With `--window N` each policy's mean is also reported per window of N steps (median over the
 rounds), to show whether a policy's cost stops growing with the run's length: the state
@@ -191,12 +198,37 @@ def measure(
 ) -> dict[str, Any]:
     sched = build(policy, requests, cost_model, running)
     now = fill(sched, running)
+    return measure_steps(sched, now, steps, window)
+
+
+def measure_steps(sched: Scheduler, now: float, steps: int, window: int = 0) -> dict[str, Any]:
+    """`steps` more steps of a filled scheduler from virtual time `now`, timed."""
     gc.collect()  # NOTE: every window starts from a collected heap (see the module's docstring)
     times = []
     for k in range(steps):
         elapsed, _ = advance(sched, now + k * STEP_S)
         times.append(elapsed)
     return _summary(times, sched, window)
+
+
+def measure_adjacent(
+    specs: list[str], steps: int, requests: list[TraceRequest], cost_model: CostModel, running: int, window: int
+) -> dict[str, dict[str, Any]]:
+    """Every policy in turn, each right after `steps` more steps of one vllm scheduler kept for
+    the round: its ratio is against those (`vllm_adjacent`), measured a second before it."""
+    base = build(BASELINE, requests, cost_model, running)
+    now = fill(base, running)
+    out: dict[str, dict[str, Any]] = {}
+    for policy in specs:
+        adjacent = measure_steps(base, now, steps)
+        now += steps * STEP_S
+        if policy == BASELINE:
+            out[policy] = measure_steps(base, now, steps, window)
+            now += steps * STEP_S
+        else:
+            out[policy] = measure(policy, steps, requests, cost_model, running, window)
+        out[policy]["vllm_adjacent"] = {"mean": adjacent["mean"], "p99": adjacent["p99"]}
+    return out
 
 
 def measure_interleaved(
@@ -240,6 +272,11 @@ def main() -> None:
         help="wall time per call, or the thread's CPU time (steadier on a shared machine)",
     )
     parser.add_argument(
+        "--adjacent",
+        action="store_true",
+        help="in turn, each policy against vllm's steps measured just before it (one vllm kept for the round)",
+    )
+    parser.add_argument(
         "--window", type=int, default=0, help="also report each policy's mean per window of this many steps"
     )
     parser.add_argument("--json", type=Path, help="write every shape's rows, the growth and the run's settings here")
@@ -267,8 +304,11 @@ def main() -> None:
         results: dict[str, list[dict[str, float]]] = {p: [] for p in specs}
         with tqdm(total=args.rounds * len(specs), desc=f"{running}:{waiting}", leave=False) as bar:
             for _ in range(args.rounds):
-                if args.interleave:
-                    measured = measure_interleaved(specs, args.steps, requests, cost_model, running, args.window)
+                if args.interleave or args.adjacent:
+                    if args.interleave:
+                        measured = measure_interleaved(specs, args.steps, requests, cost_model, running, args.window)
+                    else:
+                        measured = measure_adjacent(specs, args.steps, requests, cost_model, running, args.window)
                     for policy, r in measured.items():
                         results[policy].append(r)
                     bar.update(len(specs))
@@ -279,12 +319,15 @@ def main() -> None:
         tqdm.write(
             f"\n{running} running, {waiting} waiting, {args.steps} steps, {args.rounds} round(s), {args.clock} time"
             + (", steps interleaved" if args.interleave else "")
+            + (", each against vllm's steps just before it" if args.adjacent else "")
         )
         rows = []
         for policy in specs:
             rs = results[policy]
-            mean_ratio = statistics.median(r["mean"] / b["mean"] for r, b in zip(rs, results[BASELINE], strict=True))
-            p99_ratio = statistics.median(r["p99"] / b["p99"] for r, b in zip(rs, results[BASELINE], strict=True))
+            # NOTE: with --adjacent, against the vllm steps measured just before the policy's
+            bases = [r.get("vllm_adjacent", b) for r, b in zip(rs, results[BASELINE], strict=True)]
+            mean_ratio = statistics.median(r["mean"] / b["mean"] for r, b in zip(rs, bases, strict=True))
+            p99_ratio = statistics.median(r["p99"] / b["p99"] for r, b in zip(rs, bases, strict=True))
             mean = statistics.median(r["mean"] for r in rs)
             means[(policy, running, waiting)] = mean
             last = rs[-1]
