@@ -153,6 +153,30 @@ def test_alise_swaps_out_paused_jobs_beyond_the_job_limit_and_swaps_in_those_abo
     sched.assert_empty()
 
 
+def test_alise_swaps_out_beyond_the_job_limit_only_what_the_swap_space_still_takes() -> None:
+    """Two paused jobs fall beyond the job limit M in one step, and the swap space holds one
+    of them: the one with the smaller EWT goes to CPU, the other stays paused on the GPU (a
+    swap-out the swap space cannot take is skipped), and nothing is recomputed."""
+    sched = make_scheduler("alise:job_limit=2", max_num_seqs=2, num_cpu_blocks=3, block_size=4)
+    d, c = predicted("d", 8, 12), predicted("c", 8, 9)
+    for req in (d, c):
+        sched.add_request(req, 0.0)
+    step(sched, 0.0)
+    step(sched, 0.01)  # both decode: 3 blocks each
+    assert [len(sched.kv.gpu_tables[r.request_id]) for r in (c, d)] == [3, 3]
+    b, a = predicted("b", 8, 3), predicted("a", 8, 2)
+    for req in (b, a):
+        sched.add_request(req, 0.02)
+    plan, _ = step(sched, 0.02)  # a and b take both seats; M = 2 leaves no slot for c or d
+    assert sorted(plan.num_scheduled_tokens) == ["a", "b"]
+    assert [m.request_id for m in plan.kv_moves if m.kind is KVMoveKind.SWAP_OUT] == ["c"]
+    assert c.status is RequestStatus.PREEMPTED_SWAPPED and d.status is RequestStatus.PREEMPTED_KEPT
+    assert sched.kv.cpu.num_available() == 0
+    run_to_completion(sched)
+    assert not any(mode == "recompute" for mode, _ in sched.metrics.preemptions)
+    sched.assert_empty()
+
+
 def _memory_pressure(spec: str, num_cpu_blocks: int = 64) -> tuple[Scheduler, Request, Request, StepPlan]:
     """A long job holds most of a 10-block GPU when a shorter job with a big prompt arrives."""
     sched = make_scheduler(spec, num_gpu_blocks=10, num_cpu_blocks=num_cpu_blocks, block_size=4)

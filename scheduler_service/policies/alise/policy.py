@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 
@@ -324,6 +325,8 @@ class AlisePolicy(QueuePolicy):
         # NOTE: read before anything moves; a queue's moves touch only its own jobs
         swapped_levels = {r.policy_state.rank[0] for r in swapped.values()}
         sums, counts = self.queues.sums, self.queues.counts
+        cpu, gpu_tables = step.kv.cpu, step.kv.gpu_tables
+        cpu_free = cpu.num_available()
         ahead: float | None = None  # summed once a queue needs its EWTs
         passed: list[int] = []  # queues walked since, whose part of `ahead` is not summed yet
         for level in range(self.num_levels):
@@ -349,16 +352,23 @@ class AlisePolicy(QueuePolicy):
             if level:
                 ahead += sums[level - 1]
             ewts, ahead = self._ewts(paused.jobs(level), ahead, now)
-            ewts.sort(key=_first_two)
+            ewts.sort(key=_FIRST_TWO)
             for _, _, req in ewts:
                 if slots > 0:
                     if req.status is RequestStatus.PREEMPTED_SWAPPED:
                         self._swap_in_early(step, req)
-                elif req.status is RequestStatus.PREEMPTED_KEPT and self.can_swap_out(step, req):
-                    # NOTE: a proactive swap-out the swap space cannot take is skipped (the
-                    # job stays paused on the GPU), never turned into a recompute.
+                        cpu_free = cpu.num_available()
+                elif req.status is RequestStatus.PREEMPTED_KEPT and (
+                    len(gpu_tables.get(req.request_id, ())) <= cpu_free or not step.kv_known_to_worker(req)
+                ):
+                    # NOTE: `can_swap_out`, its tests in the cheaper order, against the free swap
+                    # space kept current here (only this loop's moves change it): once the swap
+                    # space is full, a thousand paused jobs a step fail it. A proactive swap-out
+                    # the swap space cannot take is skipped (the job stays paused on the GPU),
+                    # never turned into a recompute.
                     step.preempt(req, PreemptionMode.SWAP, PreemptionReason.PRIORITY)
                     self.stats["ewt_swap_outs"] += 1  # Algorithm 2's proactive swap-out
+                    cpu_free = cpu.num_available()
                 slots -= 1
             # NOTE: the paper's M -= len(q); the queue's waiting jobs count too (they are
             # ranked against its paused ones), which offloads deep queues under load.
@@ -414,5 +424,4 @@ class AlisePolicy(QueuePolicy):
                 self.paused.touch(req)  # NOTE: it runs now: its entry leaves the index at the next sync
 
 
-def _first_two(item: tuple[float, int, Request]) -> tuple[float, int]:
-    return item[0], item[1]
+_FIRST_TWO = itemgetter(0, 1)  # an EWT entry's (EWT, seq): its job is never compared
