@@ -17,6 +17,7 @@ It holds no requests and decides nothing; the Scheduler owns the request sets an
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from scheduler_service.core.request import Request
@@ -34,6 +35,11 @@ class PlanWriter:
 
     def knows(self, request_id: str) -> bool:
         return request_id in self._known
+
+    @property
+    def known_ids(self) -> AbstractSet[str]:
+        """Every request the worker holds (`knows` of many at once); read it, never change it."""
+        return self._known
 
     @property
     def has_pending_releases(self) -> bool:

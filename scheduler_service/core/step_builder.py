@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 from kvstore.accounting import AllocationMode, KVCacheManager, required_tokens
@@ -129,6 +130,10 @@ class StepBuilder:
     def kv_known_to_worker(self, request: Request) -> bool:
         """The worker holds the request (its KV was computed there): a swap would copy it."""
         return self._sched.plans.knows(request.request_id)
+
+    def ids_known_to_worker(self) -> AbstractSet[str]:
+        """The ids `kv_known_to_worker` answers True for, to test many requests (read-only)."""
+        return self._sched.plans.known_ids
 
     def tokens_to_cover(self, request: Request, num_tokens: int, mode: AllocationMode | None = None) -> int:
         """Tokens the request's blocks must hold if it advances by num_tokens now."""

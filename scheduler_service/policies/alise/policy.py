@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from operator import itemgetter
 
 import numpy as np
 
@@ -327,6 +326,7 @@ class AlisePolicy(QueuePolicy):
         sums, counts = self.queues.sums, self.queues.counts
         cpu, gpu_tables = step.kv.cpu, step.kv.gpu_tables
         cpu_free = cpu.num_available()
+        known = step.ids_known_to_worker()
         ahead: float | None = None  # summed once a queue needs its EWTs
         passed: list[int] = []  # queues walked since, whose part of `ahead` is not summed yet
         for level in range(self.num_levels):
@@ -352,14 +352,14 @@ class AlisePolicy(QueuePolicy):
             if level:
                 ahead += sums[level - 1]
             ewts, ahead = self._ewts(paused.jobs(level), ahead, now)
-            ewts.sort(key=_FIRST_TWO)
+            ewts.sort()  # NOTE: by (EWT, seq): seqs are unique, so a job is never compared
             for _, _, req in ewts:
                 if slots > 0:
                     if req.status is RequestStatus.PREEMPTED_SWAPPED:
                         self._swap_in_early(step, req)
                         cpu_free = cpu.num_available()
                 elif req.status is RequestStatus.PREEMPTED_KEPT and (
-                    len(gpu_tables.get(req.request_id, ())) <= cpu_free or not step.kv_known_to_worker(req)
+                    len(gpu_tables.get(req.request_id, ())) <= cpu_free or req.request_id not in known
                 ):
                     # NOTE: `can_swap_out`, its tests in the cheaper order, against the free swap
                     # space kept current here (only this loop's moves change it): once the swap
@@ -422,6 +422,3 @@ class AlisePolicy(QueuePolicy):
             self.stats["ewt_early_swap_ins"] += 1
             if self.index_paused:
                 self.paused.touch(req)  # NOTE: it runs now: its entry leaves the index at the next sync
-
-
-_FIRST_TWO = itemgetter(0, 1)  # an EWT entry's (EWT, seq): its job is never compared
