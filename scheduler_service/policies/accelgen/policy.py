@@ -551,10 +551,11 @@ class AccelGenPolicy(Policy):
         limit = first[0] + self.config.gamma_s
         max_candidates, max_scan, order = self.config.max_candidates, self.config.max_scan, self.config.order
         index = self.index
-        if not r.allow_waiting:
-            return self._holders_window(r, window, limit)
+        if not r.allow_waiting and len(index.holders) <= 2 * max_candidates:
+            return self._sorted_holders_window(r, window, limit)
+        pop, waiting = index.pop, r.allow_waiting
         while len(window) < max_candidates and r.scanned < max_scan:
-            entry = index.pop(True, include_late=True)
+            entry = pop(waiting, include_late=True)
             if entry is None:
                 return window, None
             r.scanned += 1
@@ -563,29 +564,15 @@ class AccelGenPolicy(Policy):
             window.append(entry)
         return window, None
 
-    def _holders_window(self, r: _Round, window: list[Entry], limit: float) -> tuple[list[Entry], Entry | None]:
-        """`_window` when the seats are full: `index.pop(False)` of each. When the window can take
-        most of the KV holders, their heap is sorted once and read in order, its consumed entries
+    def _sorted_holders_window(self, r: _Round, window: list[Entry], limit: float) -> tuple[list[Entry], Entry | None]:
+        """`_window` when the seats are full and the KV holders' heap is at most two windows long:
+        `index.pop(False)` of each, read in order from the heap sorted once, its consumed entries
         cut off at the end (a sorted list is a heap, and the entries are unique, so later pops
-        come in the same order): at 256 running a window is every running request once none is
-        urgent, and one sort of 256 entries is half the time of 256 pops. A heap several windows
+        come in the same order). At 256 running a window is every running request once none is
+        urgent, and one sort of 256 entries is half the time of 256 pops; a heap several windows
         long (1,000 running) is popped, as a step may stop after its first window."""
         max_candidates, max_scan, order = self.config.max_candidates, self.config.max_scan, self.config.order
         holders = self.index.holders
-        if len(holders) > 2 * max_candidates:
-            heappop = heapq.heappop
-            while len(window) < max_candidates and r.scanned < max_scan:
-                while holders:
-                    entry = heappop(holders)
-                    if entry[3].seq == entry[1]:
-                        break
-                else:
-                    return window, None
-                r.scanned += 1
-                if order and entry[0] > limit:
-                    return window, entry
-                window.append(entry)
-            return window, None
         holders.sort()
         i, size = 0, len(holders)
         nxt: Entry | None = None
