@@ -37,7 +37,8 @@ Configuration: see `AliseConfig`. Deviations from the paper are NOTE'd where the
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import numpy as np
@@ -340,6 +341,16 @@ class AlisePolicy(QueuePolicy):
                 slots -= n
                 slots -= counts[level]
                 continue
+            jobs = paused.jobs(level)
+            if slots <= 0 and not _swappable(jobs, gpu_tables, cpu_free, known):
+                # NOTE: no slot is left, so the walk below could only swap jobs out, and none of
+                # this queue's can go (each is known to the worker, its KV more than the swap
+                # space has free): no EWT order changes anything, and it counts as walked, as
+                # above. Once the swap space is full, that is most queues of most steps.
+                passed.append(level)
+                slots -= n
+                slots -= counts[level]
+                continue
             if ahead is None:
                 ahead = paused.running_ahead()
                 ahead += sum(r.policy_state.key for r in self.admitted)  # their key is their remaining time
@@ -351,7 +362,7 @@ class AlisePolicy(QueuePolicy):
             passed = []
             if level:
                 ahead += sums[level - 1]
-            ewts, ahead = self._ewts(paused.jobs(level), ahead, now)
+            ewts, ahead = self._ewts(jobs, ahead, now)
             ewts.sort()  # NOTE: by (EWT, seq): seqs are unique, so a job is never compared
             for _, _, req in ewts:
                 if slots > 0:
@@ -422,3 +433,13 @@ class AlisePolicy(QueuePolicy):
             self.stats["ewt_early_swap_ins"] += 1
             if self.index_paused:
                 self.paused.touch(req)  # NOTE: it runs now: its entry leaves the index at the next sync
+
+
+def _swappable(jobs: list[Entry], tables: Mapping[str, list[int]], cpu_free: int, known: AbstractSet[str]) -> bool:
+    """Whether a kept job of `jobs` passes `can_swap_out` with `cpu_free` swap blocks free."""
+    kept = RequestStatus.PREEMPTED_KEPT
+    for e in jobs:
+        req = e[3]
+        if req.status is kept and (len(tables.get(req.request_id, ())) <= cpu_free or req.request_id not in known):
+            return True
+    return False
