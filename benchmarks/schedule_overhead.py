@@ -179,6 +179,7 @@ def _summary(times: list[float], sched: Scheduler, window: int) -> dict[str, Any
         "mean": float(a.mean()),
         "p50": float(np.percentile(a, 50)),
         "p99": float(np.percentile(a, 99)),
+        "max": float(a.max()),  # NOTE: in the JSON only: one step's spike (ALISE's aging wave)
         "running": len(sched.running),
         "paused": len(sched.kept) + len(sched.swapped),
         "waiting": len(sched.waiting),
