@@ -322,8 +322,14 @@ class AlisePolicy(QueuePolicy):
             # paused job's turn even after every level's waiting jobs are counted against it.
             return
         paused = self._paused_levels(step)
-        # NOTE: read before anything moves; a queue's moves touch only its own jobs
-        swapped_levels = {r.policy_state.rank[0] for r in swapped.values()}
+        # NOTE: read before anything moves; a queue's moves touch only its own jobs. Each queue
+        # with swapped jobs, with the fewest tokens any of them has computed: its smallest
+        # early swap-in (`_swap_in_early`'s need grows with the tokens).
+        swapped_levels: dict[int, int] = {}
+        for r in swapped.values():
+            level, computed = r.policy_state.rank[0], r.num_computed_tokens
+            if computed < swapped_levels.get(level, computed + 1):
+                swapped_levels[level] = computed
         sums, counts = self.queues.sums, self.queues.counts
         cpu, gpu_tables = step.kv.cpu, step.kv.gpu_tables
         cpu_free = cpu.num_available()
@@ -342,11 +348,18 @@ class AlisePolicy(QueuePolicy):
                 slots -= counts[level]
                 continue
             jobs = paused.jobs(level)
-            if slots <= 0 and not _swappable(jobs, gpu_tables, cpu_free, known):
-                # NOTE: no slot is left, so the walk below could only swap jobs out, and none of
-                # this queue's can go (each is known to the worker, its KV more than the swap
-                # space has free): no EWT order changes anything, and it counts as walked, as
-                # above. Once the swap space is full, that is most queues of most steps.
+            fewest = swapped_levels.get(level)
+            if (
+                slots <= 0 or fewest is None or not self._early_swap_in_fits(step, step.kv.num_blocks_for(fewest + 1))
+            ) and (slots >= n or not _swappable(jobs, gpu_tables, cpu_free, known)):
+                # NOTE: the walk below brings swapped jobs back only among the queue's first
+                # `slots` (by EWT), then swaps kept ones out, so nothing moves when neither can
+                # happen whatever the order: no swapped job of the queue (or no slot left), or
+                # the GPU's headroom too small for the smallest of them (the swap-ins come first,
+                # and only they could change the free space), and no job past the slots, or none
+                # of this queue's that can go (each is known to the worker, its KV more than the
+                # swap space has free). It counts as walked, as above. Once the swap space is
+                # full, that is most queues of most steps, the queue where the slots run out too.
                 passed.append(level)
                 slots -= n
                 slots -= counts[level]
@@ -424,12 +437,15 @@ class AlisePolicy(QueuePolicy):
         mean_blocks = gpu.num_used / num_resident if num_resident else 1.0
         return int(gpu.num_blocks * (1.0 - self.config.swap_headroom) / max(1.0, mean_blocks))
 
+    def _early_swap_in_fits(self, step: StepBuilder, need: int) -> bool:
+        """Whether `need` GPU blocks taken ahead of time leave the configured headroom free."""
+        gpu = step.kv.gpu
+        return gpu.num_available() - need >= int(self.config.swap_headroom * gpu.num_blocks)
+
     def _swap_in_early(self, step: StepBuilder, req: Request) -> None:
         """A swapped job within the limit comes back ahead of time when the GPU has headroom:
         it runs when its rank comes up, with no copy then."""
-        kv = step.kv
-        need = kv.num_blocks_for(req.num_computed_tokens + 1)
-        if kv.gpu.num_available() - need >= int(self.config.swap_headroom * kv.gpu.num_blocks) and step.swap_in(req):
+        if self._early_swap_in_fits(step, step.kv.num_blocks_for(req.num_computed_tokens + 1)) and step.swap_in(req):
             self.stats["ewt_early_swap_ins"] += 1
             if self.index_paused:
                 self.paused.touch(req)  # NOTE: it runs now: its entry leaves the index at the next sync
