@@ -65,6 +65,11 @@ from sluice_bench.options import benchmark_parser
 from sluice_bench.report import format_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
+# NOTE: the environment as this command was started, for every server it launches: building (a)
+# in this process has vLLM set about twenty variables in os.environ (LD_PRELOAD of torch's libgomp,
+# VLLM_ENABLE_V1_MULTIPROCESSING=0, inductor settings), which a server started after it would
+# inherit, so that `vllm serve` ran its engine core in its API server's process, unlike as its users run it
+LAUNCH_ENV = dict(os.environ)
 LISTENING = re.compile(r"sluice scheduler listening on ([\d.]+):(\d+)")
 GATEWAY = re.compile(r"sluice OpenAI API at (http://[\d.]+:\d+/v1)")
 HTTP_ENGINES = ("vllm-serve", "sluice+vllm-http")  # online only: served over OpenAI HTTP
@@ -198,7 +203,7 @@ class SluiceServe:
         cmd += ["--policy", policy, "--no-start-predictor", "--connect-timeout-s", "300"]
         cmd += [] if compile_model else ["--no-vllm-compile"]
         cmd += extra
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+        env = {k: v for k, v in LAUNCH_ENV.items() if not k.startswith("SLUICE_")}
         self.engine = engine
         self.proc = subprocess.Popen(
             cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True
@@ -335,7 +340,7 @@ def free_port() -> int:
 
 class VllmServe:
     """`vllm serve` of the same model, KV blocks, block size and one compute thread (its engine
-    core bound to one CPU), its default (FCFS) scheduler, prefix caching off as in (a)."""
+    core bound to the last CPU), its default (FCFS) scheduler, prefix caching off as in (a)."""
 
     def __init__(self, model_dir: str, dtype: str, num_blocks: int, compile_model: bool) -> None:
         port = free_port()
@@ -344,7 +349,10 @@ class VllmServe:
                "--num-gpu-blocks-override", str(num_blocks + 1), "--gpu-memory-utilization", "0.2",
                "--no-enable-prefix-caching", "--seed", "0", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
         cmd += [] if compile_model else ["--enforce-eager"]
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
+        # NOTE: its engine's thread on the last core, where `sluice serve` places its worker (a
+        # bind to core 0 put it beside its API server and this client)
+        last = str(sorted(os.sched_getaffinity(0))[-1])
+        env = {**LAUNCH_ENV, "VLLM_CPU_OMP_THREADS_BIND": last, "OMP_NUM_THREADS": "1"}
         self.log = open(os.devnull, "w")  # noqa: SIM115  (open for the process's lifetime)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.base_url = f"http://127.0.0.1:{port}/v1"
