@@ -12,7 +12,7 @@ from harness import make_request, make_scheduler, run_to_completion, step
 
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.policies.alise.policy import AlisePolicy, ExecTimeModel
+from scheduler_service.policies.alise.policy import AlisePolicy, ExecTimeModel, _none_can_swap_out, _swappable
 from scheduler_service.policies.mlfq import JobState
 from sluice.contract.plan import KVMoveKind, StepPlan
 
@@ -175,6 +175,27 @@ def test_alise_swaps_out_beyond_the_job_limit_only_what_the_swap_space_still_tak
     run_to_completion(sched)
     assert not any(mode == "recompute" for mode, _ in sched.metrics.preemptions)
     sched.assert_empty()
+
+
+def test_with_the_swap_space_full_no_kept_job_can_go_only_if_each_is_known_and_holds_a_block() -> None:
+    """Algorithm 2's one answer for every queue with the swap space full must be the queues'
+    own scans' (`_swappable` with no free block): a job the worker does not know (no KV to
+    copy) or one holding no GPU block passes `can_swap_out` whatever the swap space."""
+    jobs = [make_request(rid, 8, 4) for rid in "abc"]
+    for job in jobs:
+        job.status = RequestStatus.PREEMPTED_KEPT
+    kept = {job.request_id: job for job in jobs}
+    entries = [(2, float(i), i, job) for i, job in enumerate(jobs)]
+    cases = [
+        ({"a": [0, 1], "b": [2], "c": [3, 4, 5]}, {"a", "b", "c"}, True),
+        ({"a": [0, 1], "b": [2], "c": [3, 4, 5]}, {"a", "c"}, False),  # b is unknown to the worker
+        ({"a": [0, 1], "c": [3, 4, 5]}, {"a", "b", "c"}, False),  # b holds no block
+        ({"a": [0, 1], "b": [], "c": [3, 4, 5]}, {"a", "b", "c"}, False),
+    ]
+    for tables, known, none in cases:
+        assert _none_can_swap_out(kept, tables, known) is none
+        assert none is not _swappable(entries, tables, 0, known)
+    assert _none_can_swap_out({}, {}, set())
 
 
 def _memory_pressure(spec: str, num_cpu_blocks: int = 64) -> tuple[Scheduler, Request, Request, StepPlan]:

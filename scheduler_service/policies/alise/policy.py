@@ -335,6 +335,7 @@ class AlisePolicy(QueuePolicy):
         cpu_free = cpu.num_available()
         known = step.ids_known_to_worker()
         ahead: float | None = None  # summed once a queue needs its EWTs
+        none_out: bool | None = None  # `_none_can_swap_out`, once a queue asks whether a job can go
         passed: list[int] = []  # queues walked since, whose part of `ahead` is not summed yet
         for level in range(self.num_levels):
             n = paused.count(level)
@@ -349,9 +350,17 @@ class AlisePolicy(QueuePolicy):
                 continue
             jobs = paused.jobs(level)
             fewest = swapped_levels.get(level)
-            if (
+            no_swap_in = (
                 slots <= 0 or fewest is None or not self._early_swap_in_fits(step, step.kv.num_blocks_for(fewest + 1))
-            ) and (slots >= n or not _swappable(jobs, gpu_tables, cpu_free, known)):
+            )
+            no_swap_out = slots >= n
+            if no_swap_in and not no_swap_out:
+                if cpu_free == 0 and none_out is None:
+                    none_out = _none_can_swap_out(kept, gpu_tables, known)
+                # NOTE: with the swap space full, one answer for every queue (the walk only takes
+                # kept jobs away); with space left (a swap-in freed some), the queue's own scan
+                no_swap_out = bool(cpu_free == 0 and none_out) or not _swappable(jobs, gpu_tables, cpu_free, known)
+            if no_swap_in and no_swap_out:
                 # NOTE: the walk below brings swapped jobs back only among the queue's first
                 # `slots` (by EWT), then swaps kept ones out, so nothing moves when neither can
                 # happen whatever the order: no swapped job of the queue (or no slot left), or
@@ -449,6 +458,14 @@ class AlisePolicy(QueuePolicy):
             self.stats["ewt_early_swap_ins"] += 1
             if self.index_paused:
                 self.paused.touch(req)  # NOTE: it runs now: its entry leaves the index at the next sync
+
+
+def _none_can_swap_out(kept: Mapping[str, Request], tables: Mapping[str, list[int]], known: AbstractSet[str]) -> bool:
+    """With the swap space full, whether no kept job passes `can_swap_out`: each is known to the
+    worker (one that is not has no KV to copy) and holds a GPU block. Then no queue's
+    `_swappable` can answer True: one pass over the kept jobs a step, in C, instead of a scan of
+    each queue past the limit (a thousand paused jobs a step once the swap space is full)."""
+    return kept.keys() <= known and all(map(tables.get, kept))
 
 
 def _swappable(jobs: list[Entry], tables: Mapping[str, list[int]], cpu_free: int, known: AbstractSet[str]) -> bool:
