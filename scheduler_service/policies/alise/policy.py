@@ -348,18 +348,22 @@ class AlisePolicy(QueuePolicy):
                 slots -= n
                 slots -= counts[level]
                 continue
-            jobs = paused.jobs(level)
             fewest = swapped_levels.get(level)
             no_swap_in = (
                 slots <= 0 or fewest is None or not self._early_swap_in_fits(step, step.kv.num_blocks_for(fewest + 1))
             )
             no_swap_out = slots >= n
+            jobs: list[Entry] | None = None  # the queue's jobs, read only where a scan or the walk needs them
             if no_swap_in and not no_swap_out:
                 if cpu_free == 0 and none_out is None:
                     none_out = _none_can_swap_out(kept, gpu_tables, known)
                 # NOTE: with the swap space full, one answer for every queue (the walk only takes
                 # kept jobs away); with space left (a swap-in freed some), the queue's own scan
-                no_swap_out = bool(cpu_free == 0 and none_out) or not _swappable(jobs, gpu_tables, cpu_free, known)
+                if cpu_free == 0 and none_out:
+                    no_swap_out = True
+                else:
+                    jobs = paused.jobs(level)
+                    no_swap_out = not _swappable(jobs, gpu_tables, cpu_free, known)
             if no_swap_in and no_swap_out:
                 # NOTE: the walk below brings swapped jobs back only among the queue's first
                 # `slots` (by EWT), then swaps kept ones out, so nothing moves when neither can
@@ -384,7 +388,7 @@ class AlisePolicy(QueuePolicy):
             passed = []
             if level:
                 ahead += sums[level - 1]
-            ewts, ahead = self._ewts(jobs, ahead, now)
+            ewts, ahead = self._ewts(paused.jobs(level) if jobs is None else jobs, ahead, now)
             ewts.sort()  # NOTE: by (EWT, seq): seqs are unique, so a job is never compared
             for _, _, req in ewts:
                 if slots > 0:
